@@ -1,0 +1,96 @@
+"""Normalized KV cache events: what the wire decoder produces and the index applies.
+
+These are the router's own types, independent of which publisher (vLLM or SGLang, array or map
+encoding) sent the bytes. Engine block hashes stay opaque: ``int`` (vLLM unsigned, SGLang signed)
+or ``bytes`` (32-byte digests); they are only ever compared within one worker.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+__all__ = [
+    "CANONICAL_TIERS",
+    "TIER_ALIASES",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "EngineHash",
+    "Event",
+    "EventBatch",
+    "canonical_tier",
+]
+
+EngineHash = Union[int, bytes]
+
+#: Fastest first. Scoring weights and "a block counts at its fastest tier" follow this order.
+CANONICAL_TIERS: tuple[str, ...] = ("GPU", "CPU_PINNED", "DISK", "EXTERNAL")
+
+TIER_ALIASES: dict[str, str] = {
+    "GPU": "GPU",
+    "DEVICE": "GPU",
+    "CPU_PINNED": "CPU_PINNED",
+    "CPU": "CPU_PINNED",
+    "CPU_TIER1": "CPU_PINNED",
+    "HOST": "CPU_PINNED",
+    "DISK": "DISK",
+    "CPU_TIER2": "DISK",
+    "STORAGE": "DISK",
+    "NVME": "DISK",
+    "FS": "DISK",
+    "EXTERNAL": "EXTERNAL",
+    "REMOTE": "EXTERNAL",
+    "SHARED": "EXTERNAL",
+    "OBJ": "EXTERNAL",
+}
+
+
+def canonical_tier(medium: str | None) -> str:
+    """Map a publisher's free-text ``medium`` to a canonical tier.
+
+    Absent/None means GPU (releases before ``medium`` existed only reported GPU blocks). An unknown
+    medium keeps its own (upper-cased) name: it is scored like EXTERNAL and counted, never silently
+    treated as GPU.
+    """
+    if medium is None:
+        return "GPU"
+    key = medium.strip().upper()
+    return TIER_ALIASES.get(key, key)
+
+
+class BlockStored(msgspec.Struct, frozen=True, tag=True):
+    block_hashes: list[EngineHash]
+    parent_block_hash: EngineHash | None
+    token_ids: list[int]
+    block_size: int
+    tier: str = "GPU"
+    medium: str | None = None
+    lora_id: int | None = None
+    lora_name: str | None = None
+
+
+class BlockRemoved(msgspec.Struct, frozen=True, tag=True):
+    block_hashes: list[EngineHash]
+    tier: str = "GPU"
+    medium: str | None = None
+
+
+class AllBlocksCleared(msgspec.Struct, frozen=True, tag=True):
+    pass
+
+
+Event = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+
+
+class EventBatch(msgspec.Struct, frozen=True):
+    """One ZMQ message: ``[topic, seq, payload]`` with payload ``[ts, events, dp_rank]``."""
+
+    seq: int
+    ts: float
+    events: list[Event]
+    dp_rank: int | None = None
+    topic: bytes = b""
+    #: Events of a type this decoder does not know: skipped, counted here.
+    unknown_events: int = 0
