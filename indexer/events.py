@@ -7,8 +7,6 @@ or ``bytes`` (32-byte digests); they are only ever compared within one worker.
 
 from __future__ import annotations
 
-from typing import Union
-
 import msgspec
 
 __all__ = [
@@ -23,7 +21,7 @@ __all__ = [
     "canonical_tier",
 ]
 
-EngineHash = Union[int, bytes]
+EngineHash = int | bytes
 
 #: Fastest first. Scoring weights and "a block counts at its fastest tier" follow this order.
 CANONICAL_TIERS: tuple[str, ...] = ("GPU", "CPU_PINNED", "DISK", "EXTERNAL")
@@ -81,7 +79,7 @@ class AllBlocksCleared(msgspec.Struct, frozen=True, tag=True):
     pass
 
 
-Event = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+Event = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 class EventBatch(msgspec.Struct, frozen=True):

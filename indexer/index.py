@@ -1,0 +1,640 @@
+"""The global prefix index: every worker's cached blocks, by router block hash and storage tier.
+
+Owns (DESIGN §3):
+
+- per ``(worker_id, dp_rank)``: the engine hash of every block it announced → the router hash of
+  that block and the tiers holding it;
+- globally: router hash → bitmask of the worker *slots* holding it (any tier), plus, only for blocks
+  some worker holds off-GPU, the slots holding it per lower tier. GPU-only fleets pay nothing for
+  tiers;
+- ``match``: walks a request's router hashes once and reports, per worker, the matched prefix length
+  and the blocks per (fastest) tier, in O(blocks + workers) big-int operations.
+
+Engines whose page size differs from the router block size go through ``indexer.rechunk``.
+Single writer: only the subscriber task calls the mutating methods; nothing here awaits.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from indexer.events import (
+    CANONICAL_TIERS,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EngineHash,
+    Event,
+    EventBatch,
+)
+from indexer.hashing import HASH_VERSION, chain_hashes, namespace_seed
+from indexer.rechunk import RechunkTable
+
+__all__ = [
+    "SGLANG_ROOT_PARENT",
+    "IndexError_",
+    "MatchResult",
+    "PrefixIndex",
+    "SnapshotError",
+    "WorkerIndexStats",
+    "WorkerKey",
+    "WorkerMatch",
+]
+
+WorkerKey = tuple[str, int]
+
+#: SGLang 0.4.9 sends ``hash(())`` as the parent of a page hanging off the radix root.
+SGLANG_ROOT_PARENT = 5740354900026072187
+
+#: Bits of a per-(block, worker) tier mask kept in a packed table value; tier i is bit i.
+_TIER_BITS = 16
+_TIER_MASK = (1 << _TIER_BITS) - 1
+_MAX_TIERS = _TIER_BITS
+
+
+class IndexError_(Exception):
+    """Base class of the index's own errors (named to avoid shadowing the builtin)."""
+
+
+class SnapshotError(IndexError_):
+    """A snapshot file that cannot be loaded: wrong format, version or block size."""
+
+
+class WorkerMatch(msgspec.Struct, frozen=True):
+    matched_blocks: int
+    by_tier: dict[str, int]
+    predicted_blocks: int = 0
+
+
+class MatchResult(msgspec.Struct, frozen=True):
+    request_blocks: int
+    workers: dict[WorkerKey, WorkerMatch]
+
+
+@dataclass
+class WorkerIndexStats:
+    """Counters of one worker rank; ``blocks_by_tier`` counts engine blocks per tier."""
+
+    blocks_by_tier: dict[str, int] = field(default_factory=dict)
+    stored_events: int = 0
+    removed_events: int = 0
+    cleared: int = 0
+    orphans: int = 0
+    orphan_blocks: int = 0
+    unknown_removals: int = 0
+
+
+class _Worker:
+    __slots__ = ("bit", "key", "model", "multi", "rechunk", "slot", "stats", "table", "tier_counts")
+
+    def __init__(self, key: WorkerKey, slot: int, model: str) -> None:
+        self.key = key
+        self.slot = slot
+        self.bit = 1 << slot
+        self.model = model
+        # engine hash -> (router hash << _TIER_BITS) | tier mask: one int per entry keeps the
+        # per-(block, worker) cost near one dict slot and two ints.
+        self.table: dict[EngineHash, int] = {}
+        # router hash -> {engine hash | None: tier mask} for the rare router block that several
+        # engine blocks of this worker map to (same tokens, different cache salt or extra keys).
+        # ``None`` stands for the engine blocks that held it before the collision was seen.
+        self.multi: dict[int, dict[EngineHash | None, int]] = {}
+        self.rechunk: RechunkTable | None = None
+        self.tier_counts: list[int] = [0] * _MAX_TIERS
+        self.stats = WorkerIndexStats()
+
+
+_ZERO = WorkerMatch(0, {})
+
+
+class PrefixIndex:
+    """Global prefix index over every worker rank. See the module docstring."""
+
+    def __init__(self, block_size: int = 16) -> None:
+        if block_size <= 0:
+            raise ValueError("block_size must be positive")
+        self.block_size = block_size
+        self._workers: dict[WorkerKey, _Worker] = {}
+        self._by_slot: list[_Worker | None] = []
+        self._free_slots: list[int] = []
+        self._all_bits = 0
+        self._present: dict[int, int] = {}
+        # slots holding a block on no GPU tier at all, and per lower tier the slots holding it
+        self._nogpu: dict[int, int] = {}
+        self._low: list[dict[int, int]] = [{} for _ in range(_MAX_TIERS)]
+        self._tier_names: list[str] = list(CANONICAL_TIERS)
+        self._tier_ids: dict[str, int] = {n: i for i, n in enumerate(CANONICAL_TIERS)}
+        #: Tiers outside the canonical four that were seen (scored like EXTERNAL).
+        self.unknown_tiers: dict[str, int] = {}
+
+    # ---------------------------------------------------------------- workers
+
+    def add_worker(self, worker_id: str, dp_rank: int = 0, *, model: str = "") -> None:
+        key = (worker_id, dp_rank)
+        if key in self._workers:
+            self._workers[key].model = model
+            return
+        if self._free_slots:
+            slot = self._free_slots.pop()
+        else:
+            slot = len(self._by_slot)
+            self._by_slot.append(None)
+        w = _Worker(key, slot, model)
+        self._workers[key] = w
+        self._by_slot[slot] = w
+        self._all_bits |= w.bit
+
+    def remove_worker(self, worker_id: str, dp_rank: int | None = None) -> None:
+        keys = [
+            k for k in self._workers if k[0] == worker_id and (dp_rank is None or k[1] == dp_rank)
+        ]
+        for key in keys:
+            w = self._workers.pop(key)
+            self._drop_entries(w)
+            self._by_slot[w.slot] = None
+            self._free_slots.append(w.slot)
+            self._all_bits &= ~w.bit
+
+    def clear_worker(self, worker_id: str, dp_rank: int) -> None:
+        w = self._workers.get((worker_id, dp_rank))
+        if w is not None:
+            self._drop_entries(w)
+            w.stats.cleared += 1
+
+    def workers(self) -> list[WorkerKey]:
+        return list(self._workers)
+
+    def slot(self, key: WorkerKey) -> int:
+        return self._workers[key].slot
+
+    def worker_model(self, key: WorkerKey) -> str:
+        return self._workers[key].model
+
+    def worker_stats(self, key: WorkerKey) -> WorkerIndexStats:
+        w = self._workers[key]
+        counts = w.tier_counts
+        if w.rechunk is not None:
+            counts = [a + b for a, b in zip(counts, w.rechunk.tier_counts)]
+        w.stats.blocks_by_tier = {
+            self._tier_names[i]: c for i, c in enumerate(counts) if c or i < len(CANONICAL_TIERS)
+        }
+        return w.stats
+
+    def __len__(self) -> int:
+        """Number of distinct router blocks held by at least one worker."""
+        return len(self._present)
+
+    def entries(self) -> int:
+        """Number of (engine block, worker) entries."""
+        n = 0
+        for w in self._workers.values():
+            n += len(w.table)
+            if w.rechunk is not None:
+                n += len(w.rechunk.blocks)
+        return n
+
+    # ---------------------------------------------------------------- events
+
+    def apply_batch(self, worker_id: str, batch: EventBatch, *, dp_rank: int | None = None) -> None:
+        rank = dp_rank if dp_rank is not None else (batch.dp_rank or 0)
+        w = self._workers.get((worker_id, rank))
+        if w is None:
+            model = next((x.model for k, x in self._workers.items() if k[0] == worker_id), "")
+            self.add_worker(worker_id, rank, model=model)
+            w = self._workers[(worker_id, rank)]
+        for ev in batch.events:
+            self._apply(w, ev)
+
+    def apply_event(self, key: WorkerKey, event: Event) -> None:
+        if key not in self._workers:
+            self.add_worker(*key)
+        self._apply(self._workers[key], event)
+
+    def _apply(self, w: _Worker, ev: Event) -> None:
+        if type(ev) is BlockStored:
+            w.stats.stored_events += 1
+            if ev.block_size == self.block_size:
+                self._store(w, ev)
+            else:
+                self._rechunk_table(w).store(ev)
+        elif type(ev) is BlockRemoved:
+            w.stats.removed_events += 1
+            t = self._tier_id(ev.tier)
+            for e in ev.block_hashes:
+                if e in w.table:
+                    self._remove_tier(w, e, t)
+                elif w.rechunk is not None and e in w.rechunk.blocks:
+                    w.rechunk.remove(e, t)
+                else:
+                    w.stats.unknown_removals += 1
+        elif type(ev) is AllBlocksCleared:
+            self._drop_entries(w)
+            w.stats.cleared += 1
+
+    def _tier_id(self, name: str) -> int:
+        t = self._tier_ids.get(name)
+        if t is None:
+            # New unknown medium: give it its own tier while bits remain, then share the last.
+            t = len(self._tier_names)
+            if t >= _MAX_TIERS:
+                t = _MAX_TIERS - 1
+            else:
+                self._tier_names.append(name)
+            self._tier_ids[name] = t
+        if t >= len(CANONICAL_TIERS):
+            self.unknown_tiers[name] = self.unknown_tiers.get(name, 0) + 1
+        return t
+
+    def _seed(self, w: _Worker, lora_name: str | None, lora_id: int | None) -> int:
+        if lora_name is None and lora_id is not None:
+            lora_name = f"lora-id:{lora_id}"
+        return namespace_seed(w.model, lora_name)
+
+    def _store(self, w: _Worker, ev: BlockStored) -> None:
+        t = self._tier_id(ev.tier)
+        bit = 1 << t
+        table = w.table
+        hashes = ev.block_hashes
+        # Blocks this worker already announced (a lower-tier copy, a load-back): add the tier.
+        first_new = 0
+        while first_new < len(hashes) and hashes[first_new] in table:
+            self._add_tier(w, hashes[first_new], bit, t)
+            first_new += 1
+        if first_new == len(hashes):
+            return
+        if first_new:
+            parent_packed = table[hashes[first_new - 1]]
+            parent_h = parent_packed >> _TIER_BITS
+        else:
+            parent = ev.parent_block_hash
+            if parent is None:
+                parent_h = self._seed(w, ev.lora_name, ev.lora_id)
+            elif parent in table:
+                parent_h = table[parent] >> _TIER_BITS
+            elif w.rechunk is not None and parent in w.rechunk.blocks:
+                w.stats.orphans += 1
+                w.stats.orphan_blocks += len(hashes)
+                return
+            elif parent == SGLANG_ROOT_PARENT:
+                parent_h = self._seed(w, ev.lora_name, ev.lora_id)
+            else:
+                # Cannot chain without the parent's router hash: never guess.
+                w.stats.orphans += 1
+                w.stats.orphan_blocks += len(hashes) - first_new
+                return
+        bs = self.block_size
+        tokens = ev.token_ids
+        if first_new:
+            tokens = tokens[first_new * bs :]
+        router = chain_hashes(tokens, bs, parent_h)
+        n = len(hashes) - first_new
+        if len(router) < n:
+            # token ids missing for the tail: those blocks cannot be chained
+            w.stats.orphans += 1
+            w.stats.orphan_blocks += n - len(router)
+        for e, h in zip(hashes[first_new:], router):
+            if e in table:  # the same engine hash twice in one event
+                self._add_tier(w, e, bit, t)
+                continue
+            table[e] = (h << _TIER_BITS) | bit
+            w.tier_counts[t] += 1
+            self._router_add(w, h, e, bit)
+
+    def _add_tier(self, w: _Worker, e: EngineHash, bit: int, t: int) -> None:
+        packed = w.table[e]
+        if packed & bit:
+            return
+        packed |= bit
+        w.table[e] = packed
+        w.tier_counts[t] += 1
+        h = packed >> _TIER_BITS
+        multi = w.multi.get(h)
+        if multi is None:
+            old = (packed & _TIER_MASK) & ~bit
+            self.set_mask(w, h, old, old | bit)
+        else:
+            old = _or_all(multi)
+            multi[e if e in multi else None] = packed & _TIER_MASK
+            self.set_mask(w, h, old, old | bit)
+
+    def _router_add(self, w: _Worker, h: int, e: EngineHash, bit: int) -> None:
+        multi = w.multi.get(h)
+        if multi is not None:
+            old = _or_all(multi)
+            multi[e] = bit
+            self.set_mask(w, h, old, old | bit)
+            return
+        if self._present.get(h, 0) & w.bit:
+            # Another engine block of this worker already maps to h (same tokens, different
+            # cache salt or extra keys). Before this moment exactly one did, so ``None`` names
+            # that one block precisely: its later updates find no key of their own and use it.
+            old = self.worker_mask(w, h)
+            w.multi[h] = {None: old, e: bit}
+            self.set_mask(w, h, old, old | bit)
+            return
+        self.set_mask(w, h, 0, bit)
+
+    def _remove_tier(self, w: _Worker, e: EngineHash, t: int) -> None:
+        packed = w.table[e]
+        bit = 1 << t
+        if not packed & bit:
+            w.stats.unknown_removals += 1
+            return
+        w.tier_counts[t] -= 1
+        packed &= ~bit
+        own = packed & _TIER_MASK
+        h = packed >> _TIER_BITS
+        if own:
+            w.table[e] = packed
+        else:
+            del w.table[e]
+        multi = w.multi.get(h)
+        if multi is None:
+            self.set_mask(w, h, own | bit, own)
+            return
+        old = _or_all(multi)
+        k: EngineHash | None = e if e in multi else None
+        if own:
+            multi[k] = own
+        else:
+            multi.pop(k, None)
+        new = _or_all(multi)
+        if len(multi) <= 1:
+            # one engine block left: its own packed entry carries the mask again
+            del w.multi[h]
+        self.set_mask(w, h, old, new)
+
+    def _rechunk_table(self, w: _Worker) -> RechunkTable:
+        if w.rechunk is None:
+            w.rechunk = RechunkTable(self, w)
+        return w.rechunk
+
+    def _drop_entries(self, w: _Worker) -> None:
+        bit = w.bit
+        if w.table or w.rechunk is not None:
+            keep = ~bit
+            for d in (self._present, self._nogpu, *self._low):
+                if not d:
+                    continue
+                dead = []
+                for h, m in d.items():
+                    if m & bit:
+                        m &= keep
+                        if m:
+                            d[h] = m
+                        else:
+                            dead.append(h)
+                for h in dead:
+                    del d[h]
+        w.table = {}
+        w.multi = {}
+        w.rechunk = None
+        w.tier_counts = [0] * _MAX_TIERS
+
+    # ---------------------------------------------------------------- global masks
+
+    def worker_mask(self, w: _Worker, h: int) -> int:
+        """Tier mask of router block ``h`` on worker ``w`` as the global tables hold it."""
+        bit = w.bit
+        if not self._present.get(h, 0) & bit:
+            return 0
+        mask = 0 if self._nogpu.get(h, 0) & bit else 1
+        for t in range(1, len(self._tier_names)):
+            if self._low[t].get(h, 0) & bit:
+                mask |= 1 << t
+        return mask
+
+    def set_mask(self, w: _Worker, h: int, old: int, new: int) -> None:
+        """Move worker ``w``'s tier mask of router block ``h`` from ``old`` to ``new``."""
+        if old == new:
+            return
+        bit = w.bit
+        present = self._present
+        if not old:
+            present[h] = present.get(h, 0) | bit
+        elif not new:
+            m = present[h] & ~bit
+            if m:
+                present[h] = m
+            else:
+                del present[h]
+        old_ng = bool(old) and not old & 1
+        new_ng = bool(new) and not new & 1
+        if old_ng != new_ng:
+            _toggle(self._nogpu, h, bit, new_ng)
+        changed = (old ^ new) >> 1
+        t = 1
+        while changed:
+            if changed & 1:
+                _toggle(self._low[t], h, bit, bool(new >> t & 1))
+            changed >>= 1
+            t += 1
+
+    # ---------------------------------------------------------------- queries
+
+    def request_hashes(
+        self, token_ids: Sequence[int], *, model: str = "", lora_name: str | None = None
+    ) -> list[int]:
+        return chain_hashes(token_ids, self.block_size, namespace_seed(model, lora_name))
+
+    def match(
+        self,
+        hashes: Sequence[int],
+        *,
+        overlay: Mapping[int, int] | None = None,
+        pools: Sequence[Iterable[WorkerKey]] = (),
+    ) -> MatchResult:
+        """Per worker: matched prefix blocks, and how many sit on each (fastest) tier.
+
+        ``overlay``: router hash -> slots predicted to hold it; counted as present, reported as
+        ``predicted_blocks``. ``pools``: groups of workers that share an EXTERNAL store; each member
+        is credited with EXTERNAL for a block any member holds there.
+        """
+        get = self._present.get
+        alive = self._all_bits
+        n = len(hashes)
+        ended: dict[int, int] = {}
+        ov_get = overlay.get if overlay else None
+        ext = self._low[3]
+        pool_masks = [m for m in (self._pool_mask(p) for p in pools) if m] if ext else []
+        nogpu = self._nogpu
+        low = [(t, d) for t, d in enumerate(self._low) if t and d]
+        slow = bool(ov_get or pool_masks or nogpu)
+        runs: list[tuple[int, tuple[int, ...]]] = []
+        cur: tuple[int, ...] = ()
+        i = 0
+        for i, h in enumerate(hashes):
+            p = get(h, 0)
+            if slow:
+                real = p
+                if ov_get is not None:
+                    p |= ov_get(h, 0)
+                credit = 0
+                if pool_masks:
+                    e = ext.get(h, 0)
+                    if e:
+                        for pm in pool_masks:
+                            if e & pm:
+                                credit |= pm & ~p
+                        p |= credit
+            dead = alive & ~p
+            if dead:
+                while dead:
+                    lowbit = dead & -dead
+                    ended[lowbit.bit_length() - 1] = i
+                    dead ^= lowbit
+                alive &= p
+                if not alive:
+                    break
+            if slow:
+                key = self._run_key(h, alive, real, p, credit, nogpu, low)
+                if key != cur:
+                    runs.append((i, key))
+                    cur = key
+        else:
+            i = n
+        end = i
+        counts = self._count_runs(runs, end, ended) if runs else {}
+        workers: dict[WorkerKey, WorkerMatch] = {}
+        gpu = "GPU"
+        names = self._tier_names
+        for w in self._workers.values():
+            m = ended.get(w.slot, end) if alive >> w.slot & 1 == 0 else end
+            if not m:
+                workers[w.key] = _ZERO
+                continue
+            c = counts.get(w.slot)
+            if c is None:
+                workers[w.key] = WorkerMatch(m, {gpu: m})
+                continue
+            by_tier = {gpu: m - sum(c.values())}
+            pred = c.pop(-1, 0)
+            for t, k in c.items():
+                by_tier[names[t]] = k
+            workers[w.key] = WorkerMatch(m, by_tier, pred)
+        return MatchResult(n, workers)
+
+    def _run_key(
+        self,
+        h: int,
+        alive: int,
+        real: int,
+        p: int,
+        credit: int,
+        nogpu: dict[int, int],
+        low: list[tuple[int, dict[int, int]]],
+    ) -> tuple[int, ...]:
+        pred = p & ~real & ~credit & alive
+        rem = nogpu.get(h, 0) & alive if nogpu else 0
+        parts = [pred]
+        for t, d in low:
+            if rem:
+                m = d.get(h, 0) & rem
+                rem &= ~m
+            else:
+                m = 0
+            if t == 3:
+                m |= credit & alive
+            parts.append(m)
+        if credit and not any(t == 3 for t, _ in low):
+            parts.append(credit & alive)
+        return tuple(parts) if any(parts) else ()
+
+    def _count_runs(
+        self, runs: list[tuple[int, tuple[int, ...]]], end: int, ended: dict[int, int]
+    ) -> dict[int, dict[int, int]]:
+        tiers = [t for t, d in enumerate(self._low) if t and d]
+        if 3 not in tiers:
+            tiers.append(3)
+        counts: dict[int, dict[int, int]] = {}
+        for r, (start, key) in enumerate(runs):
+            if not key:
+                continue
+            stop = runs[r + 1][0] if r + 1 < len(runs) else end
+            for j, mask in enumerate(key):
+                t = -1 if j == 0 else tiers[j - 1]
+                while mask:
+                    lowbit = mask & -mask
+                    slot = lowbit.bit_length() - 1
+                    mask ^= lowbit
+                    c = min(stop, ended.get(slot, end)) - start
+                    if c > 0:
+                        d = counts.setdefault(slot, {})
+                        d[t] = d.get(t, 0) + c
+        return counts
+
+    def _pool_mask(self, members: Iterable[WorkerKey]) -> int:
+        m = 0
+        for k in members:
+            w = self._workers.get(k)
+            if w is not None:
+                m |= w.bit
+        return m
+
+    def block_tiers(self, key: WorkerKey, hashes: Sequence[int]) -> list[frozenset[str]]:
+        """Tiers holding each leading block of ``hashes`` on one worker, up to the first gap."""
+        w = self._workers[key]
+        out: list[frozenset[str]] = []
+        for h in hashes:
+            mask = self.worker_mask(w, h)
+            if not mask:
+                break
+            out.append(frozenset(self._tier_names[t] for t in range(_MAX_TIERS) if mask >> t & 1))
+        return out
+
+    def engine_blocks(self, key: WorkerKey) -> dict[str, set[EngineHash]]:
+        """Engine hashes per tier on one worker: the listing the engines' ground-truth tests use."""
+        w = self._workers[key]
+        out: dict[str, set[EngineHash]] = {}
+        items: list[tuple[EngineHash, int]] = [(e, p & _TIER_MASK) for e, p in w.table.items()]
+        if w.rechunk is not None:
+            items += [(e, b.tiers) for e, b in w.rechunk.blocks.items()]
+        for e, mask in items:
+            for t in range(_MAX_TIERS):
+                if mask >> t & 1:
+                    out.setdefault(self._tier_names[t], set()).add(e)
+        return out
+
+    # ---------------------------------------------------------------- snapshot
+
+    def snapshot(self, path: str | os.PathLike[str], seqs: Mapping[WorkerKey, int]) -> None:
+        """Write the index and each worker's last applied seq; atomic (write + rename)."""
+        from indexer.snapshot import write_snapshot
+
+        write_snapshot(self, path, seqs)
+
+    @classmethod
+    def restore(cls, path: str | os.PathLike[str]) -> tuple[PrefixIndex, dict[WorkerKey, int]]:
+        from indexer.snapshot import read_snapshot
+
+        return read_snapshot(cls, path)
+
+    def _state(self) -> dict[str, Any]:
+        return {
+            "hash_version": HASH_VERSION,
+            "block_size": self.block_size,
+            "tiers": self._tier_names,
+        }
+
+
+def _or_all(d: Mapping[Any, int]) -> int:
+    m = 0
+    for v in d.values():
+        m |= v
+    return m
+
+
+def _toggle(d: dict[int, int], h: int, bit: int, on: bool) -> None:
+    if on:
+        d[h] = d.get(h, 0) | bit
+    else:
+        m = d.get(h, 0) & ~bit
+        if m:
+            d[h] = m
+        else:
+            d.pop(h, None)

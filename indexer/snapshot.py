@@ -1,0 +1,149 @@
+"""Snapshot/restore of the prefix index with each worker rank's last applied sequence number.
+
+The file is msgpack: a header (format, hash function version, block size, tier names) and, per
+worker rank, its engine table. Global tables are derived state and are rebuilt on load, so a
+restored index answers every query like the original. A file written with another router hash
+function or block size is refused: its router hashes would not match new requests.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from indexer.hashing import HASH_VERSION
+
+if TYPE_CHECKING:  # pragma: no cover
+    from indexer.index import PrefixIndex, WorkerKey
+
+__all__ = ["read_snapshot", "write_snapshot"]
+
+FORMAT = "kvrouter-index-snapshot/1"
+_EH = int | bytes
+
+
+class _RBlock(msgspec.Struct, array_like=True):
+    engine_hash: _EH
+    parent: _EH | None
+    tiers: int
+    end: int
+    state: int
+    tail: list[int]
+
+
+class _WorkerSnap(msgspec.Struct):
+    worker_id: str
+    dp_rank: int
+    model: str
+    seq: int | None
+    engine_hashes: list[_EH]
+    router_hashes: list[int]
+    tiers: list[int]
+    rechunk: list[_RBlock] = []
+    cover: list[tuple[int, list[_EH]]] = []
+
+
+class _Snapshot(msgspec.Struct):
+    format: str
+    hash_version: int
+    block_size: int
+    tiers: list[str]
+    workers: list[_WorkerSnap]
+
+
+_decoder = msgspec.msgpack.Decoder(_Snapshot)
+_encoder = msgspec.msgpack.Encoder()
+
+
+def write_snapshot(
+    index: PrefixIndex, path: str | os.PathLike[str], seqs: dict[WorkerKey, int] | object
+) -> None:
+    from indexer.index import _TIER_BITS, _TIER_MASK
+
+    seq_map: dict = dict(seqs)  # type: ignore[call-overload]
+    workers = []
+    for key, w in index._workers.items():
+        ws = _WorkerSnap(
+            worker_id=key[0],
+            dp_rank=key[1],
+            model=w.model,
+            seq=seq_map.get(key),
+            engine_hashes=list(w.table),
+            router_hashes=[v >> _TIER_BITS for v in w.table.values()],
+            tiers=[v & _TIER_MASK for v in w.table.values()],
+        )
+        rc = w.rechunk
+        if rc is not None:
+            ws.rechunk = [
+                _RBlock(e, b.parent, b.tiers, b.end, b.state, list(b.tail))
+                for e, b in rc.blocks.items()
+            ]
+            ws.cover = [(h, list(c)) for h, c in rc.cover.items()]
+        workers.append(ws)
+    snap = _Snapshot(FORMAT, HASH_VERSION, index.block_size, list(index._tier_names), workers)
+    tmp = f"{os.fspath(path)}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(_encoder.encode(snap))
+    os.replace(tmp, path)
+
+
+def read_snapshot(
+    cls: type[PrefixIndex], path: str | os.PathLike[str]
+) -> tuple[PrefixIndex, dict[WorkerKey, int]]:
+    from indexer.index import _TIER_BITS, SnapshotError
+    from indexer.rechunk import RechunkTable, _EBlock
+
+    try:
+        with open(path, "rb") as f:
+            snap = _decoder.decode(f.read())
+    except (OSError, msgspec.DecodeError) as exc:
+        raise SnapshotError(f"cannot read index snapshot {os.fspath(path)!r}: {exc}") from exc
+    if snap.format != FORMAT:
+        raise SnapshotError(f"snapshot format {snap.format!r} is not {FORMAT!r}")
+    if snap.hash_version != HASH_VERSION:
+        raise SnapshotError(
+            f"snapshot router hash version {snap.hash_version} != {HASH_VERSION}; rebuild from events"
+        )
+    index = cls(snap.block_size)
+    for name in snap.tiers:
+        index._tier_id(name)
+    index.unknown_tiers.clear()
+    seqs: dict[WorkerKey, int] = {}
+    for ws in snap.workers:
+        index.add_worker(ws.worker_id, ws.dp_rank, model=ws.model)
+        key = (ws.worker_id, ws.dp_rank)
+        w = index._workers[key]
+        if ws.seq is not None:
+            seqs[key] = ws.seq
+        per_router: dict[int, dict] = {}
+        for e, h, m in zip(ws.engine_hashes, ws.router_hashes, ws.tiers):
+            w.table[e] = (h << _TIER_BITS) | m
+            per_router.setdefault(h, {})[e] = m
+            for t in range(_TIER_BITS):
+                if m >> t & 1:
+                    w.tier_counts[t] += 1
+        for h, group in per_router.items():
+            if len(group) > 1:
+                w.multi[h] = group
+            mask = 0
+            for m in group.values():
+                mask |= m
+            index.set_mask(w, h, 0, mask)
+        if ws.rechunk:
+            rc = RechunkTable(index, w)
+            w.rechunk = rc
+            for rb in ws.rechunk:
+                eb = _EBlock(rb.parent, rb.tiers, rb.end, rb.state, tuple(rb.tail))
+                rc.blocks[rb.engine_hash] = eb
+                for t in range(_TIER_BITS):
+                    if rb.tiers >> t & 1:
+                        rc.tier_counts[t] += 1
+            for h, cov in ws.cover:
+                rc.cover[h] = list(cov)
+                for c in cov:
+                    if c in rc.blocks:
+                        rc.blocks[c].routers.append(h)
+                rc._recompute(h)
+    return index, seqs
