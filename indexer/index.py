@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import groupby
 from typing import Any
 
 import msgspec
@@ -454,110 +455,145 @@ class PrefixIndex:
         ``overlay``: router hash -> slots predicted to hold it; counted as present, reported as
         ``predicted_blocks``. ``pools``: groups of workers that share an EXTERNAL store; each member
         is credited with EXTERNAL for a block any member holds there.
+
+        The walk looks blocks up in C (``map``) and then visits only the *runs* of equal holder
+        sets (``groupby``): along a shared prefix the holders change rarely, so the Python-level
+        work is O(runs + workers), not O(blocks x workers). The returned ``WorkerMatch`` objects
+        may be shared between workers and must be treated as read-only.
         """
-        get = self._present.get
-        alive = self._all_bits
         n = len(hashes)
+        vals: list[int | None] = list(map(self._present.get, hashes))
+        extras = self._extras(hashes, vals, overlay, pools)
+        seq: list[Any] = vals if extras is None else list(zip(vals, extras))
+        alive = self._all_bits
         ended: dict[int, int] = {}
-        ov_get = overlay.get if overlay else None
-        ext = self._low[3]
-        pool_masks = [m for m in (self._pool_mask(p) for p in pools) if m] if ext else []
-        nogpu = self._nogpu
-        low = [(t, d) for t, d in enumerate(self._low) if t and d]
-        slow = bool(ov_get or pool_masks or nogpu)
-        runs: list[tuple[int, tuple[int, ...]]] = []
-        cur: tuple[int, ...] = ()
-        i = 0
-        for i, h in enumerate(hashes):
-            p = get(h, 0)
-            if slow:
-                real = p
-                if ov_get is not None:
-                    p |= ov_get(h, 0)
-                credit = 0
-                if pool_masks:
-                    e = ext.get(h, 0)
-                    if e:
-                        for pm in pool_masks:
-                            if e & pm:
-                                credit |= pm & ~p
-                        p |= credit
+        runs: list[tuple[int, int, tuple[int, ...]]] = []
+        pos = 0
+        for key, grp in groupby(seq):
+            if extras is None:
+                p, extra = key, None
+            else:
+                p, extra = key
+            if not p:
+                break
             dead = alive & ~p
             if dead:
                 while dead:
                     lowbit = dead & -dead
-                    ended[lowbit.bit_length() - 1] = i
+                    ended[lowbit.bit_length() - 1] = pos
                     dead ^= lowbit
                 alive &= p
                 if not alive:
                     break
-            if slow:
-                key = self._run_key(h, alive, real, p, credit, nogpu, low)
-                if key != cur:
-                    runs.append((i, key))
-                    cur = key
-        else:
-            i = n
-        end = i
-        counts = self._count_runs(runs, end, ended) if runs else {}
+            length = len(list(grp))
+            if extra:
+                runs.append((pos, pos + length, extra))
+            pos += length
+        counts = self._count_runs(runs, pos, ended) if runs else {}
         workers: dict[WorkerKey, WorkerMatch] = {}
-        gpu = "GPU"
+        shared: dict[int, WorkerMatch] = {0: _ZERO}
         names = self._tier_names
         for w in self._workers.values():
-            m = ended.get(w.slot, end) if alive >> w.slot & 1 == 0 else end
-            if not m:
-                workers[w.key] = _ZERO
-                continue
+            m = ended.get(w.slot, pos)
             c = counts.get(w.slot)
             if c is None:
-                workers[w.key] = WorkerMatch(m, {gpu: m})
+                wm = shared.get(m)
+                if wm is None:
+                    wm = shared[m] = WorkerMatch(m, {"GPU": m})
+                workers[w.key] = wm
                 continue
-            by_tier = {gpu: m - sum(c.values())}
             pred = c.pop(-1, 0)
-            for t, k in c.items():
+            by_tier = {"GPU": m - pred - sum(c.values())}
+            for t, k in sorted(c.items()):
                 by_tier[names[t]] = k
             workers[w.key] = WorkerMatch(m, by_tier, pred)
         return MatchResult(n, workers)
 
-    def _run_key(
+    def _extras(
         self,
-        h: int,
-        alive: int,
-        real: int,
-        p: int,
-        credit: int,
-        nogpu: dict[int, int],
-        low: list[tuple[int, dict[int, int]]],
-    ) -> tuple[int, ...]:
-        pred = p & ~real & ~credit & alive
-        rem = nogpu.get(h, 0) & alive if nogpu else 0
-        parts = [pred]
-        for t, d in low:
-            if rem:
-                m = d.get(h, 0) & rem
-                rem &= ~m
-            else:
-                m = 0
-            if t == 3:
-                m |= credit & alive
-            parts.append(m)
-        if credit and not any(t == 3 for t, _ in low):
-            parts.append(credit & alive)
-        return tuple(parts) if any(parts) else ()
+        hashes: Sequence[int],
+        vals: list[int | None],
+        overlay: Mapping[int, int] | None,
+        pools: Sequence[Iterable[WorkerKey]],
+    ) -> list[tuple[int, ...] | None] | None:
+        """Per block: (predicted, then per lower tier) slot masks, or None where all are zero.
+
+        Adds predicted and pool-credited holders into ``vals``. Returns None when no block has
+        any, which keeps the common GPU-only walk free of per-block Python work.
+        """
+        n = len(hashes)
+        tiers = self._extra_tiers()
+        index_of = {t: j + 1 for j, t in enumerate(tiers)}
+        out: dict[int, list[int]] = {}
+
+        def slot_of(i: int) -> list[int]:
+            e = out.get(i)
+            if e is None:
+                e = out[i] = [0] * (len(tiers) + 1)
+            return e
+
+        if overlay:
+            ovs = list(map(overlay.get, hashes))
+            if ovs.count(None) != n:
+                for i, o in enumerate(ovs):
+                    if o:
+                        p = vals[i] or 0
+                        pred = o & ~p
+                        if pred:
+                            vals[i] = p | pred
+                            slot_of(i)[0] = pred
+        nogpu = self._nogpu
+        if nogpu:
+            ngs = list(map(nogpu.get, hashes))
+            if ngs.count(None) != n:
+                low = self._low
+                for i, ng in enumerate(ngs):
+                    if ng:
+                        h = hashes[i]
+                        e = slot_of(i)
+                        for t in tiers:
+                            m = low[t].get(h, 0) & ng
+                            if m:
+                                e[index_of[t]] = m
+                                ng &= ~m
+                                if not ng:
+                                    break
+        ext = self._low[3]
+        if pools and ext:
+            pool_masks = [m for m in map(self._pool_mask, pools) if m]
+            exts = list(map(ext.get, hashes))
+            if pool_masks and exts.count(None) != n:
+                j3 = index_of[3]
+                for i, e3 in enumerate(exts):
+                    if not e3:
+                        continue
+                    p = vals[i] or 0
+                    credit = 0
+                    for pm in pool_masks:
+                        if e3 & pm:
+                            credit |= pm & ~p
+                    if credit:
+                        vals[i] = p | credit
+                        slot_of(i)[j3] |= credit
+        if not out:
+            return None
+        extras: list[tuple[int, ...] | None] = [None] * n
+        for i, e in out.items():
+            extras[i] = tuple(e)
+        return extras
+
+    def _extra_tiers(self) -> list[int]:
+        """Lower tiers in scoring order (EXTERNAL always, for pool credit)."""
+        return [t for t in range(1, len(self._tier_names)) if t == 3 or self._low[t]]
 
     def _count_runs(
-        self, runs: list[tuple[int, tuple[int, ...]]], end: int, ended: dict[int, int]
+        self, runs: list[tuple[int, int, tuple[int, ...]]], end: int, ended: dict[int, int]
     ) -> dict[int, dict[int, int]]:
-        tiers = [t for t, d in enumerate(self._low) if t and d]
-        if 3 not in tiers:
-            tiers.append(3)
+        tiers = [-1, *self._extra_tiers()]
         counts: dict[int, dict[int, int]] = {}
-        for r, (start, key) in enumerate(runs):
-            if not key:
-                continue
-            stop = runs[r + 1][0] if r + 1 < len(runs) else end
+        for start, stop, key in runs:
             for j, mask in enumerate(key):
-                t = -1 if j == 0 else tiers[j - 1]
+                t = tiers[j]
                 while mask:
                     lowbit = mask & -mask
                     slot = lowbit.bit_length() - 1
