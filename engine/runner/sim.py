@@ -1,0 +1,225 @@
+"""The ``sim`` runner: no tensors, a timing model, and fake KV bytes that check themselves.
+
+Timing (milliseconds, every sleep divided by ``--speedup``; defaults roughly fitted to a ~0.5B
+model in bf16 on one mid-range GPU, override with runner options of the same name):
+
+* a step with prefill work: ``prefill_a·Σ n² + prefill_b·Σ n + prefill_c`` over the tokens ``n``
+  each prefilling sequence computes (cached tokens cost nothing);
+* a step with decoding sequences adds ``decode_d0 + decode_d1·batch``;
+* a host↔GPU copy of ``k`` blocks: ``k·block_bytes / cpu_gbps + cpu_latency_ms``; a DISK/EXTERNAL
+  read: ``bytes / {disk,external}_gbps + {disk,external}_latency_ms`` (``io_delay``), with
+  ``block_bytes = kv_bytes_per_token · block_size``.
+
+KV bytes: each GPU block and host slot holds a small payload — a digest chained over the tokens
+of every block up to it, as real KV depends on the whole prefix. ``execute`` checks the payload of
+every block a sequence attends to and raises :class:`RunnerError` on a mismatch, so an engine bug
+that loses, misplaces or corrupts a block (or loads a wrong one back) fails loudly in sim tests.
+Sampled tokens are a deterministic function of that digest (greedy) or of ``(seed, position,
+digest)``, drawn from ``[token_min, token_max]`` (printable ASCII by default).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import time
+from array import array
+from collections.abc import Sequence
+
+from engine.runner.base import (
+    DoneTransfer,
+    ModelRunner,
+    RunnerConfig,
+    RunnerError,
+    ScheduledSeq,
+    StepOutput,
+    Transfer,
+)
+
+__all__ = ["SIM_DEFAULTS", "SimRunner", "SimTransfer"]
+
+SIM_DEFAULTS: dict[str, float] = {
+    "prefill_a": 2e-6,
+    "prefill_b": 0.03,
+    "prefill_c": 4.0,
+    "decode_d0": 8.0,
+    "decode_d1": 0.15,
+    "kv_bytes_per_token": 12288.0,
+    "cpu_gbps": 25.0,
+    "cpu_latency_ms": 0.01,
+    "disk_gbps": 3.0,
+    "disk_latency_ms": 0.1,
+    "external_gbps": 1.25,
+    "external_latency_ms": 0.5,
+    "token_min": 32.0,
+    "token_max": 126.0,
+}
+
+_MAGIC = b"SIMKV1"
+_DIGEST = 16
+
+
+class SimTransfer(Transfer):
+    """Done when the modeled copy time has passed on the wall clock."""
+
+    def __init__(self, elapsed_s: float, speedup: float) -> None:
+        self.elapsed_s = elapsed_s
+        self._deadline = time.monotonic() + elapsed_s / speedup
+
+    def done(self) -> bool:
+        return time.monotonic() >= self._deadline
+
+    def wait(self) -> None:
+        delay = self._deadline - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+
+
+class SimRunner(ModelRunner):
+    name = "sim"
+
+    def __init__(self, config: RunnerConfig) -> None:
+        if config.speedup <= 0:
+            raise RunnerError("--speedup must be positive")
+        params = dict(SIM_DEFAULTS)
+        for key, value in config.options.items():
+            if key not in SIM_DEFAULTS:
+                known = ", ".join(sorted(SIM_DEFAULTS))
+                raise RunnerError(f"unknown sim runner option {key!r} (known: {known})")
+            try:
+                params[key] = float(value)
+            except (TypeError, ValueError) as exc:
+                raise RunnerError(f"sim runner option {key!r} must be a number") from exc
+        self.p = params
+        self.block_size = config.block_size
+        self.num_gpu_blocks = config.num_gpu_blocks
+        self.num_host_slots = config.num_host_slots
+        self.speedup = config.speedup
+        lo, hi = int(params["token_min"]), int(params["token_max"])
+        if not 0 <= lo <= hi:
+            raise RunnerError("token_min/token_max must satisfy 0 <= min <= max")
+        self._lo, self._span = lo, hi - lo + 1
+        self.vocab_size = max(256, hi + 1)
+        self._rng = random.Random(config.seed)
+        self._gpu: list[bytes] = [b""] * self.num_gpu_blocks
+        self._host: list[bytes] = [b""] * self.num_host_slots
+        self.modeled_block_bytes = int(params["kv_bytes_per_token"] * self.block_size)
+        #: Total modeled compute time of every step so far (seconds, before speedup).
+        self.busy_s = 0.0
+
+    @property
+    def kv_block_bytes(self) -> int:
+        return len(_MAGIC) + _DIGEST
+
+    # ------------------------------------------------------------------ timing model
+
+    def prefill_ms(self, tokens: Sequence[int] | int) -> float:
+        """Modeled prefill time of one step whose prefilling sequences compute ``tokens``."""
+        ns = [tokens] if isinstance(tokens, int) else list(tokens)
+        p = self.p
+        return p["prefill_a"] * sum(n * n for n in ns) + p["prefill_b"] * sum(ns) + p["prefill_c"]
+
+    def decode_ms(self, batch: int) -> float:
+        return self.p["decode_d0"] + self.p["decode_d1"] * batch
+
+    def copy_s(self, num_blocks: int, tier: str = "CPU_PINNED") -> float:
+        """Modeled seconds to move ``num_blocks`` between GPU and ``tier``."""
+        key = {"CPU_PINNED": "cpu", "DISK": "disk", "EXTERNAL": "external"}[tier]
+        nbytes = num_blocks * self.modeled_block_bytes
+        return nbytes / (self.p[f"{key}_gbps"] * 1e9) + self.p[f"{key}_latency_ms"] / 1e3
+
+    # ------------------------------------------------------------------ step
+
+    def _digests(self, s: ScheduledSeq, upto: int) -> list[bytes]:
+        """Payload digest of each block covering positions ``[0, upto)``."""
+        bs = self.block_size
+        out = []
+        d = b""
+        for start in range(0, upto, bs):
+            h = hashlib.blake2b(d, digest_size=_DIGEST)
+            h.update(array("q", s.token_ids[start : min(start + bs, upto)]).tobytes())
+            d = h.digest()
+            out.append(d)
+        return out
+
+    def execute(self, seqs: Sequence[ScheduledSeq]) -> StepOutput:
+        tokens: dict[int, int] = {}
+        prefill: list[int] = []
+        decode = 0
+        for s in seqs:
+            end = s.num_computed_tokens + s.num_new_tokens
+            if s.num_new_tokens <= 0 or end > len(s.token_ids):
+                raise RunnerError(
+                    f"seq {s.seq_id}: bad step range {s.num_computed_tokens}+{s.num_new_tokens}"
+                )
+            if len(s.block_table) * self.block_size < end:
+                raise RunnerError(f"seq {s.seq_id}: block table too short for {end} tokens")
+            # what the attended blocks must hold (a partial last block: its computed part)
+            for j, want in enumerate(self._digests(s, s.num_computed_tokens)):
+                if self._gpu[s.block_table[j]] != _MAGIC + want:
+                    raise RunnerError(
+                        f"sim KV check failed: seq {s.seq_id} block {j} (gpu block "
+                        f"{s.block_table[j]}) does not hold the KV of its prefix"
+                    )
+            digests = self._digests(s, end)
+            for j in range(s.num_computed_tokens // self.block_size, len(digests)):
+                self._gpu[s.block_table[j]] = _MAGIC + digests[j]
+            if s.num_output_tokens == 0 or s.num_new_tokens > 1:
+                prefill.append(s.num_new_tokens)
+            else:
+                decode += 1
+            if s.sample:
+                tokens[s.seq_id] = self._sample(s, digests[-1])
+        ms = (self.prefill_ms(prefill) if prefill else 0.0) + (
+            self.decode_ms(decode) if decode else 0.0
+        )
+        elapsed = ms / 1e3
+        self.busy_s += elapsed
+        time.sleep(elapsed / self.speedup)
+        return StepOutput(tokens=tokens, elapsed_s=elapsed)
+
+    def _sample(self, s: ScheduledSeq, digest: bytes) -> int:
+        sp = s.sampling
+        if sp.temperature <= 0:
+            x = int.from_bytes(digest[:8], "big")
+        elif sp.seed is not None:
+            x = random.Random(f"{sp.seed}:{s.num_output_tokens}:{digest.hex()}").getrandbits(64)
+        else:
+            x = self._rng.getrandbits(64)
+        return self._lo + x % self._span
+
+    # ------------------------------------------------------------------ transfers
+
+    def _check(self, pairs: Sequence[tuple[int, int]], gpu_first: bool) -> None:
+        for a, b in pairs:
+            g, h = (a, b) if gpu_first else (b, a)
+            if not (0 <= g < self.num_gpu_blocks and 0 <= h < self.num_host_slots):
+                raise RunnerError(f"transfer out of range: gpu block {g}, host slot {h}")
+
+    def swap_out(self, pairs: Sequence[tuple[int, int]]) -> Transfer:
+        self._check(pairs, True)
+        for g, h in pairs:
+            self._host[h] = self._gpu[g]
+        return SimTransfer(self.copy_s(len(pairs)), self.speedup) if pairs else DoneTransfer()
+
+    def swap_in(self, pairs: Sequence[tuple[int, int]]) -> Transfer:
+        self._check(pairs, False)
+        for h, g in pairs:
+            self._gpu[g] = self._host[h]
+        return SimTransfer(self.copy_s(len(pairs)), self.speedup) if pairs else DoneTransfer()
+
+    def read_host(self, slot: int) -> bytes:
+        data = self._host[slot]
+        if len(data) != self.kv_block_bytes:
+            raise RunnerError(f"host slot {slot} holds no KV")
+        return data
+
+    def write_host(self, slot: int, data: bytes) -> None:
+        if len(data) != self.kv_block_bytes or not data.startswith(_MAGIC):
+            raise RunnerError(f"not a sim KV block ({len(data)} bytes)")
+        self._host[slot] = bytes(data)
+
+    def io_delay(self, tier: str, num_bytes: int, *, write: bool = False) -> float:
+        if write or tier not in ("DISK", "EXTERNAL"):
+            return 0.0
+        return self.copy_s(-(-num_bytes // self.kv_block_bytes), tier)
