@@ -181,6 +181,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "arch": "qwen2",
         "dtype": "bfloat16",
         "theta": 1000000.0,
+        "tie": True,
     },
 }
 
