@@ -226,9 +226,24 @@ class PrefixIndex:
         elif type(ev) is BlockRemoved:
             w.stats.removed_events += 1
             t = self._tier_id(ev.tier)
+            table = w.table
+            present = self._present
+            keep = ~w.bit
             for e in ev.block_hashes:
-                if e in w.table:
-                    self._remove_tier(w, e, t)
+                packed = table.get(e)
+                if packed is not None:
+                    if t == 0 and packed & _TIER_MASK == 1 and not w.multi:
+                        # Hot path: a GPU-only block leaves; only the presence map changes.
+                        del table[e]
+                        w.tier_counts[0] -= 1
+                        h = packed >> _TIER_BITS
+                        m = present[h] & keep
+                        if m:
+                            present[h] = m
+                        else:
+                            del present[h]
+                    else:
+                        self._remove_tier(w, e, t)
                 elif w.rechunk is not None and e in w.rechunk.blocks:
                     w.rechunk.remove(e, t)
                 else:
@@ -298,6 +313,26 @@ class PrefixIndex:
             # token ids missing for the tail: those blocks cannot be chained
             w.stats.orphans += 1
             w.stats.orphan_blocks += n - len(router)
+        if t == 0 and not w.multi:
+            # Hot path (a GPU store on a worker with no colliding router blocks): only the
+            # presence map changes, so it is updated inline rather than through set_mask.
+            present = self._present
+            wbit = w.bit
+            added = 0
+            for e, h in zip(hashes[first_new:], router):
+                if e in table:
+                    self._add_tier(w, e, bit, t)
+                    continue
+                table[e] = (h << _TIER_BITS) | 1
+                m = present.get(h, 0)
+                if m & wbit:
+                    w.tier_counts[0] += 1
+                    self._router_add(w, h, e, bit)
+                else:
+                    present[h] = m | wbit
+                    added += 1
+            w.tier_counts[0] += added
+            return
         for e, h in zip(hashes[first_new:], router):
             if e in table:  # the same engine hash twice in one event
                 self._add_tier(w, e, bit, t)
