@@ -1,0 +1,116 @@
+"""The router's exception hierarchy and its JSON error body ``{"error": {"message", "type"}}``.
+
+Handlers raise these; the app turns every one into the documented status code. Lower-level errors
+(msgspec, httpx, tokenizers) are translated with ``raise ... from`` where they cross into the router.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import msgspec
+from starlette.responses import Response
+
+__all__ = [
+    "BadRequest",
+    "ConfigError",
+    "Conflict",
+    "NoHealthyWorker",
+    "NotFound",
+    "PayloadTooLarge",
+    "RouterError",
+    "TokenizeError",
+    "TooManyRequests",
+    "Unauthorized",
+    "UnprocessableEntity",
+    "UpstreamError",
+    "error_response",
+]
+
+
+class RouterError(Exception):
+    """Base of every error the router reports to a client; ``status`` is the HTTP code."""
+
+    status = 500
+    type = "internal_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class ConfigError(RouterError):
+    """Invalid settings: raised at start, the message names the bad key."""
+
+    type = "config_error"
+
+
+class BadRequest(RouterError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class UnprocessableEntity(RouterError):
+    status = 422
+    type = "invalid_request_error"
+
+
+class Unauthorized(RouterError):
+    status = 401
+    type = "authentication_error"
+
+
+class NotFound(RouterError):
+    status = 404
+    type = "not_found_error"
+
+
+class Conflict(RouterError):
+    status = 409
+    type = "conflict_error"
+
+
+class PayloadTooLarge(RouterError):
+    status = 413
+    type = "invalid_request_error"
+
+
+class TooManyRequests(RouterError):
+    status = 429
+    type = "rate_limit_error"
+
+
+class NoHealthyWorker(RouterError):
+    status = 503
+    type = "service_unavailable"
+
+
+class UpstreamError(RouterError):
+    """Every candidate worker failed before anything reached the client."""
+
+    status = 502
+    type = "upstream_error"
+
+
+class TokenizeError(RouterError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class _ErrorDetail(msgspec.Struct):
+    message: str
+    type: str
+
+
+class _ErrorBody(msgspec.Struct):
+    error: _ErrorDetail
+
+
+_encode = msgspec.json.Encoder().encode
+
+
+def error_response(
+    status: int, message: str, type_: str, headers: Mapping[str, str] | None = None
+) -> Response:
+    body = _encode(_ErrorBody(_ErrorDetail(message, type_)))
+    return Response(body, status_code=status, media_type="application/json", headers=headers)

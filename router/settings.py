@@ -1,0 +1,335 @@
+"""Router settings: one YAML file, overridden by ``KVROUTER_*`` environment variables, overridden by
+command-line flags. Every key is documented in ``configs/router.example.yaml``.
+
+Validation happens once, at start: an unknown key, a wrong type or an out-of-range value raises
+:class:`router.errors.ConfigError` whose message names the key (``scoring.overlap_weight``,
+``workers[1].url``...).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import yaml
+
+from router.errors import ConfigError
+
+__all__ = [
+    "DEFAULT_TIER_WEIGHTS",
+    "HealthSettings",
+    "ProxySettings",
+    "RouteSettings",
+    "ScoringSettings",
+    "Settings",
+    "SubscriberSettings",
+    "WorkerConfig",
+    "load_settings",
+    "parse_worker_spec",
+]
+
+DEFAULT_TIER_WEIGHTS: dict[str, float] = {
+    "GPU": 1.0,
+    "CPU_PINNED": 0.8,
+    "DISK": 0.5,
+    "EXTERNAL": 0.3,
+}
+
+ENV_PREFIX = "KVROUTER_"
+
+
+def _check(cond: bool, key: str, msg: str) -> None:
+    # msgspec turns a ValueError raised in __post_init__ into a ValidationError carrying the path
+    # of the struct; naming the field here completes it ("... - at `$.scoring`").
+    if not cond:
+        raise ValueError(f"`{key}` {msg}")
+
+
+class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """One inference worker: its OpenAI URL, its KV event endpoints and its data-parallel ranks."""
+
+    id: str
+    url: str
+    events_endpoint: str
+    replay_endpoint: str | None = None
+    dp_ranks: int = 1
+    pool: str | None = None
+    model: str = ""
+
+    def __post_init__(self) -> None:
+        ok_id = bool(self.id) and "," not in self.id and "/" not in self.id
+        _check(ok_id, "id", "must be a non-empty name without ',' or '/'")
+        _check(self.url.startswith(("http://", "https://")), "url", "must be an http(s) URL")
+        for key in ("events_endpoint", "replay_endpoint"):
+            ep = getattr(self, key)
+            if ep is not None:
+                zmq_ok = ep.startswith(("tcp://", "ipc://", "inproc://"))
+                _check(zmq_ok, key, "must be a ZMQ endpoint (tcp://host:port)")
+        _check(1 <= self.dp_ranks <= 1024, "dp_ranks", "must be between 1 and 1024")
+
+    @property
+    def base_url(self) -> str:
+        return self.url.rstrip("/")
+
+
+class ProxySettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    retries: int = 2
+    max_inflight: int = 1024
+    max_body_bytes: int = 8 * 1024 * 1024
+    connect_timeout_s: float = 2.0
+    read_timeout_s: float = 600.0
+    write_timeout_s: float = 30.0
+    pool_timeout_s: float = 10.0
+    max_connections: int = 1000
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.retries <= 16, "retries", "must be between 0 and 16")
+        _check(self.max_inflight >= 1, "max_inflight", "must be >= 1")
+        _check(self.max_body_bytes >= 1024, "max_body_bytes", "must be >= 1024")
+        _check(self.max_connections >= 1, "max_connections", "must be >= 1")
+        for k in ("connect_timeout_s", "read_timeout_s", "write_timeout_s", "pool_timeout_s"):
+            _check(getattr(self, k) > 0, k, "must be > 0")
+
+
+class HealthSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    interval_s: float = 2.0
+    timeout_s: float = 1.0
+    unhealthy_after: int = 2
+    path: str = "/health"
+    scrape_metrics: bool = False
+
+    def __post_init__(self) -> None:
+        _check(self.interval_s > 0, "interval_s", "must be > 0")
+        _check(self.timeout_s > 0, "timeout_s", "must be > 0")
+        _check(self.unhealthy_after >= 1, "unhealthy_after", "must be >= 1")
+        _check(self.path.startswith("/"), "path", "must start with '/'")
+
+
+class ScoringSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    overlap_weight: float = 1.0
+    tier_weights: dict[str, float] = msgspec.field(
+        default_factory=lambda: dict(DEFAULT_TIER_WEIGHTS)
+    )
+    recompute_s_per_block: float | None = None
+    tier_load_s_per_block: dict[str, float] = msgspec.field(default_factory=dict)
+    temperature: float = 0.0
+    seed: int | None = None
+    predicted_ttl_s: float = 2.0
+    predicted_max_blocks: int = 1_000_000
+    running_weight: float = 0.0
+    waiting_weight: float = 0.0
+    kv_usage_weight: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check(self.overlap_weight >= 0, "overlap_weight", "must be >= 0")
+        for tier, w in self.tier_weights.items():
+            _check(0 <= w <= 1, f"tier_weights.{tier}", "must be between 0 and 1")
+        if self.recompute_s_per_block is not None:
+            _check(self.recompute_s_per_block > 0, "recompute_s_per_block", "must be > 0")
+        for tier, s in self.tier_load_s_per_block.items():
+            _check(s >= 0, f"tier_load_s_per_block.{tier}", "must be >= 0")
+        _check(self.temperature >= 0, "temperature", "must be >= 0")
+        _check(self.predicted_ttl_s >= 0, "predicted_ttl_s", "must be >= 0")
+        _check(self.predicted_max_blocks >= 0, "predicted_max_blocks", "must be >= 0")
+        for k in ("running_weight", "waiting_weight", "kv_usage_weight"):
+            _check(getattr(self, k) >= 0, k, "must be >= 0")
+
+    def effective_tier_weights(self) -> dict[str, float]:
+        """Configured weights, upper-cased; with ``recompute_s_per_block`` set, a tier listed in
+        ``tier_load_s_per_block`` gets ``1 - load/recompute`` (clamped to [0, 1]) instead."""
+        weights = {k.upper(): v for k, v in self.tier_weights.items()}
+        if self.recompute_s_per_block is not None:
+            for tier, load in self.tier_load_s_per_block.items():
+                weights[tier.upper()] = min(1.0, max(0.0, 1.0 - load / self.recompute_s_per_block))
+        return weights
+
+    @property
+    def scrapes_metrics(self) -> bool:
+        return self.running_weight > 0 or self.waiting_weight > 0 or self.kv_usage_weight > 0
+
+
+class RouteSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    account_ttl_s: float = 300.0
+    max_accounted: int = 100_000
+
+    def __post_init__(self) -> None:
+        _check(self.account_ttl_s > 0, "account_ttl_s", "must be > 0")
+        _check(self.max_accounted >= 1, "max_accounted", "must be >= 1")
+
+
+class SubscriberSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    replay_timeout_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        _check(self.replay_timeout_s > 0, "replay_timeout_s", "must be > 0")
+
+
+class Settings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    host: str = "127.0.0.1"
+    port: int = 8000
+    block_size: int = 16
+    admin_key: str | None = None
+    tokenizer: str = "byte"
+    log_level: str = "info"
+    proxy: ProxySettings = msgspec.field(default_factory=ProxySettings)
+    health: HealthSettings = msgspec.field(default_factory=HealthSettings)
+    scoring: ScoringSettings = msgspec.field(default_factory=ScoringSettings)
+    route: RouteSettings = msgspec.field(default_factory=RouteSettings)
+    subscriber: SubscriberSettings = msgspec.field(default_factory=SubscriberSettings)
+    workers: list[WorkerConfig] = msgspec.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.port <= 65535, "port", "must be between 0 and 65535")
+        _check(1 <= self.block_size <= 4096, "block_size", "must be between 1 and 4096")
+        _check(
+            self.tokenizer in ("byte", "worker") or self.tokenizer.startswith("hf:"),
+            "tokenizer",
+            "must be 'byte', 'worker' or 'hf:<dir>'",
+        )
+        levels = ("critical", "error", "warning", "info", "debug", "trace")
+        _check(self.log_level in levels, "log_level", f"must be one of {'/'.join(levels)}")
+        seen: set[str] = set()
+        for i, w in enumerate(self.workers):
+            _check(w.id not in seen, f"workers[{i}].id", f"duplicates worker id {w.id!r}")
+            seen.add(w.id)
+
+
+_AT = re.compile(r"^(?P<msg>.*?)(?: - at `\$\.?(?P<path>[^`]*)`)?$", re.S)
+_UNKNOWN = re.compile(r"^Object contains unknown field `(?P<key>[^`]*)`$")
+_NAMED = re.compile(r"^`(?P<key>[^`]*)` (?P<msg>.*)$", re.S)
+
+
+def describe_validation_error(e: msgspec.ValidationError) -> tuple[str, str]:
+    """``(dotted key, problem)`` from msgspec's ``"... - at `$.a.b[0]`"`` message."""
+    m = _AT.match(str(e))
+    msg, path = (m.group("msg"), m.group("path") or "") if m else (str(e), "")
+    for pattern, problem in ((_UNKNOWN, "unknown key"), (_NAMED, None)):
+        k = pattern.match(msg)
+        if k:
+            path = f"{path}.{k.group('key')}" if path else k.group("key")
+            msg = problem or k.group("msg")
+            break
+    missing = re.match(r"^Object missing required field `(?P<key>[^`]*)`$", msg)
+    if missing:
+        path = f"{path}.{missing.group('key')}" if path else missing.group("key")
+        msg = "is required"
+    return path or "<top level>", msg[:1].lower() + msg[1:]
+
+
+def _convert(raw: Mapping[str, Any]) -> Settings:
+    try:
+        return msgspec.convert(raw, Settings)
+    except msgspec.ValidationError as e:
+        key, problem = describe_validation_error(e)
+        raise ConfigError(f"invalid config: {key}: {problem}") from e
+
+
+def parse_worker_spec(spec: str) -> dict[str, Any]:
+    """``id=w0,url=http://h:8001,events=tcp://h:5557[,replay=...][,dp=2][,pool=P][,model=M]``."""
+    names = {
+        "id": "id",
+        "url": "url",
+        "events": "events_endpoint",
+        "replay": "replay_endpoint",
+        "dp": "dp_ranks",
+        "pool": "pool",
+        "model": "model",
+    }
+    out: dict[str, Any] = {}
+    for part in spec.split(","):
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        if not sep or key not in names:
+            raise ConfigError(
+                f"invalid --worker {spec!r}: unknown item {part!r} (expected id=, url=, events=, "
+                "replay=, dp=, pool=, model=)"
+            )
+        if key == "dp":
+            try:
+                out["dp_ranks"] = int(value)
+            except ValueError as e:
+                raise ConfigError(f"invalid --worker {spec!r}: dp must be an integer") from e
+        else:
+            out[names[key]] = value.strip()
+    for required in ("id", "url", "events"):
+        if names[required] not in out:
+            raise ConfigError(f"invalid --worker {spec!r}: missing {required}=")
+    return out
+
+
+def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    """``KVROUTER_PORT=9000``, ``KVROUTER_SCORING__OVERLAP_WEIGHT=2``: values are YAML scalars."""
+    out: dict[str, Any] = {}
+    for name, value in environ.items():
+        if not name.startswith(ENV_PREFIX) or name == "KVROUTER_CONFIG":
+            continue
+        path = [p.lower() for p in name[len(ENV_PREFIX) :].split("__")]
+        try:
+            parsed = yaml.safe_load(value) if value != "" else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"invalid config: env {name} is not a YAML value: {e}") from e
+        if path[-1] in ("admin_key", "host", "tokenizer") and parsed is not None:
+            parsed = str(value)
+        d = out
+        for p in path[:-1]:
+            d = d.setdefault(p, {})
+            if not isinstance(d, dict):
+                raise ConfigError(f"invalid config: env {name} conflicts with another variable")
+        d[path[-1]] = parsed
+    return out
+
+
+def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            out[k] = _merge(dict(out[k]), v)
+        else:
+            out[k] = v
+    return out
+
+
+def load_settings(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    worker_specs: Sequence[str] = (),
+) -> Settings:
+    """YAML file (if any), then env, then explicit overrides and ``--worker`` specs.
+
+    A ``--worker`` whose id matches a configured worker replaces it; others are appended.
+    """
+    env = os.environ if environ is None else environ
+    raw: dict[str, Any] = {}
+    if path is None and env.get("KVROUTER_CONFIG"):
+        path = env["KVROUTER_CONFIG"]
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read config {path}: {e}") from e
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"invalid config {path}: not YAML: {e}") from e
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"invalid config {path}: the top level must be a mapping")
+        raw = loaded
+    raw = _merge(raw, _env_overrides(env))
+    if overrides:
+        raw = _merge(raw, {k: v for k, v in overrides.items() if v is not None})
+    if worker_specs:
+        workers = list(raw.get("workers") or [])
+        for spec in worker_specs:
+            w = parse_worker_spec(spec)
+            workers = [x for x in workers if not (isinstance(x, dict) and x.get("id") == w["id"])]
+            workers.append(w)
+        raw["workers"] = workers
+    return _convert(raw)
