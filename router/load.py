@@ -1,0 +1,204 @@
+"""The router's own load accounting per worker rank: event-loop-only, no I/O.
+
+A routed request counts on its worker from the moment it is placed:
+
+- *in-flight prefill*: ``n − c(w)`` blocks (request blocks minus credited cached blocks) until its
+  first token comes back (``first_token``);
+- *active*: its blocks until it completes (``finish``). ``active_blocks`` counts distinct blocks —
+  requests sharing a prefix share its KV blocks in a paged engine — plus one per request for its
+  partial / decode block.
+
+``shared(key, hashes)`` tells how many leading blocks of a new request are already active (and
+being prefilled) on a worker: the scorer takes those off the load the request competes with.
+Accounted ``/route`` calls (``account: true``) hold a ticket in :class:`RouteAccounts` until
+released or expired.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+__all__ = ["LoadTracker", "RouteAccounts", "Ticket", "WorkerLoad"]
+
+WorkerKey = tuple[str, int]
+
+
+class WorkerLoad:
+    __slots__ = ("active", "inflight_prefill", "prefilling", "requests")
+
+    def __init__(self) -> None:
+        self.inflight_prefill = 0.0
+        self.requests = 0
+        self.active: dict[int, int] = {}  # router hash -> refcount
+        self.prefilling: dict[
+            int, int
+        ] = {}  # router hash -> refcount (uncached blocks being built)
+
+    @property
+    def active_blocks(self) -> int:
+        return len(self.active) + self.requests
+
+
+class Ticket:
+    __slots__ = ("hashes", "id", "key", "prefill", "prefill_hashes", "state")
+
+    def __init__(
+        self,
+        id: int,
+        key: WorkerKey,
+        hashes: Sequence[int],
+        prefill: float,
+        prefill_hashes: Sequence[int],
+    ) -> None:
+        self.id = id
+        self.key = key
+        self.hashes = hashes
+        self.prefill = prefill
+        self.prefill_hashes = prefill_hashes
+        self.state = 0  # 0 prefill, 1 decode, 2 done
+
+
+def _inc(d: dict[int, int], hashes: Sequence[int]) -> None:
+    for h in hashes:
+        d[h] = d.get(h, 0) + 1
+
+
+def _dec(d: dict[int, int], hashes: Sequence[int]) -> None:
+    for h in hashes:
+        c = d.get(h, 0) - 1
+        if c > 0:
+            d[h] = c
+        else:
+            d.pop(h, None)
+
+
+class LoadTracker:
+    def __init__(self) -> None:
+        self._loads: dict[WorkerKey, WorkerLoad] = {}
+        self._ids = itertools.count(1)
+
+    def get(self, key: WorkerKey) -> WorkerLoad | None:
+        return self._loads.get(key)
+
+    def items(self) -> list[tuple[WorkerKey, WorkerLoad]]:
+        return list(self._loads.items())
+
+    def inflight(self, worker_id: str) -> int:
+        return sum(ld.requests for k, ld in self._loads.items() if k[0] == worker_id)
+
+    def shared(self, key: WorkerKey, hashes: Sequence[int]) -> tuple[int, int]:
+        """``(leading blocks active on key, leading blocks being prefilled on key)``."""
+        ld = self._loads.get(key)
+        if ld is None or not ld.active or not hashes:
+            return 0, 0
+        active = ld.active
+        building = ld.prefilling
+        a = p = 0
+        for h in hashes:
+            if h not in active:
+                break
+            a += 1
+            if h in building:
+                p += 1
+        return a, p
+
+    def start(
+        self, key: WorkerKey, hashes: Sequence[int], prefill: float, cached_blocks: int
+    ) -> Ticket:
+        """Count a request placed on ``key``: ``prefill`` blocks to build, of which the blocks
+        from ``cached_blocks`` on are not cached anywhere on the worker yet."""
+        ld = self._loads.get(key)
+        if ld is None:
+            ld = self._loads[key] = WorkerLoad()
+        t = Ticket(next(self._ids), key, hashes, max(0.0, prefill), hashes[cached_blocks:])
+        ld.requests += 1
+        ld.inflight_prefill += t.prefill
+        _inc(ld.active, hashes)
+        _inc(ld.prefilling, t.prefill_hashes)
+        return t
+
+    def first_token(self, t: Ticket) -> None:
+        if t.state != 0:
+            return
+        t.state = 1
+        ld = self._loads.get(t.key)
+        if ld is None:
+            return
+        ld.inflight_prefill -= t.prefill
+        if ld.inflight_prefill < 1e-9:
+            ld.inflight_prefill = 0.0
+        _dec(ld.prefilling, t.prefill_hashes)
+
+    def finish(self, t: Ticket) -> None:
+        if t.state == 2:
+            return
+        self.first_token(t)
+        t.state = 2
+        ld = self._loads.get(t.key)
+        if ld is None:
+            return
+        ld.requests -= 1
+        _dec(ld.active, t.hashes)
+        if ld.requests <= 0 and not ld.active:
+            del self._loads[t.key]
+
+    def drop_worker(self, worker_id: str) -> None:
+        for k in [k for k in self._loads if k[0] == worker_id]:
+            del self._loads[k]
+
+
+class RouteAccounts:
+    """``/route`` calls with ``account: true``: ``route_id`` → ticket, until release or TTL."""
+
+    def __init__(
+        self,
+        tracker: LoadTracker,
+        ttl_s: float,
+        max_entries: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._tracker = tracker
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self._clock = clock
+        self._routes: OrderedDict[str, tuple[float, Ticket]] = OrderedDict()
+        self.expired = 0
+
+    def __len__(self) -> int:
+        return len(self._routes)
+
+    def add(self, t: Ticket) -> str:
+        self.expire()
+        while len(self._routes) >= self.max_entries:
+            _, (_, old) = self._routes.popitem(last=False)
+            self._tracker.finish(old)
+            self.expired += 1
+        rid = secrets.token_hex(12)
+        self._routes[rid] = (self._clock() + self.ttl_s, t)
+        return rid
+
+    def release(self, route_id: str) -> bool:
+        entry = self._routes.pop(route_id, None)
+        if entry is None:
+            return False
+        self._tracker.finish(entry[1])
+        return True
+
+    def expire(self) -> None:
+        now = self._clock()
+        routes = self._routes
+        while routes:
+            rid, (exp, t) = next(iter(routes.items()))
+            if exp > now:
+                break
+            del routes[rid]
+            self._tracker.finish(t)
+            self.expired += 1
+
+    def drop_worker(self, worker_id: str) -> None:
+        for rid in [r for r, (_, t) in self._routes.items() if t.key[0] == worker_id]:
+            del self._routes[rid]

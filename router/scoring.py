@@ -1,0 +1,187 @@
+"""Worker scoring (DESIGN §5): pure functions, no I/O, no clocks, no global state.
+
+For a request of ``n`` full blocks and each candidate worker rank ``w``::
+
+    c(w)    = Σ_t weight_t · m_t(w)  +  predicted(w)            (predicted blocks count like GPU)
+    cost(w) = overlap_weight · (inflight_prefill(w) + n − c(w)) + active_blocks(w) [+ scraped(w)]
+
+Load is what *this* request competes with. Blocks of the request that requests already in flight
+on ``w`` hold (a shared prefix: chained hashes make it a leading run) are neither queued work nor
+new memory for it: they are taken off ``inflight_prefill`` (up to what is in flight) and off
+``active_blocks``. Without that, a prefix being prefilled on ``w`` would be charged twice — as
+queued work and as missing credit — and concurrent requests sharing a new prefix would scatter
+over every idle worker, each recomputing it (herding, DESIGN §5).
+
+``scraped(w)`` blends the worker's own ``/metrics`` (requests running / waiting, KV usage) when
+weights for them are configured. The minimum cost wins; ties break on less load, then a stable hash
+of the request and worker, so equal requests place the same way in every router replica. With a
+temperature ``T > 0`` the first choice is sampled from ``softmax(−cost'/T)`` over costs normalized
+to [0, 1]; the others follow in cost order (they are the retry order).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import zlib
+from collections.abc import Mapping, Sequence
+
+import msgspec
+
+from indexer.events import CANONICAL_TIERS
+
+__all__ = [
+    "Candidate",
+    "ScoreWeights",
+    "ScrapedLoad",
+    "credited_blocks",
+    "rank",
+    "score",
+    "tie_hash",
+    "worker_hash",
+]
+
+WorkerKey = tuple[str, int]
+_M64 = (1 << 64) - 1
+
+
+class ScrapedLoad(msgspec.Struct, frozen=True):
+    """Load a worker reports on its own ``/metrics`` (vLLM / SGLang names)."""
+
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0  # fraction in [0, 1]
+
+
+class ScoreWeights(msgspec.Struct, frozen=True):
+    overlap_weight: float = 1.0
+    tier_weights: Mapping[str, float] = msgspec.field(
+        default_factory=lambda: {"GPU": 1.0, "CPU_PINNED": 0.8, "DISK": 0.5, "EXTERNAL": 0.3}
+    )
+    running_weight: float = 0.0
+    waiting_weight: float = 0.0
+    kv_usage_weight: float = 0.0
+
+    def tier_weight(self, tier: str) -> float:
+        """Unknown tiers are scored like EXTERNAL (DESIGN §2), never like GPU."""
+        w = self.tier_weights.get(tier)
+        if w is None:
+            w = self.tier_weights.get("EXTERNAL", 0.3)
+        return w
+
+
+class Candidate(msgspec.Struct):
+    """One worker rank as the scorer sees it. Filled by the router, scored here."""
+
+    key: WorkerKey
+    healthy: bool = True
+    matched_blocks: int = 0
+    by_tier: Mapping[str, int] = msgspec.field(default_factory=dict)
+    predicted_blocks: int = 0
+    inflight_prefill: float = 0.0
+    active_blocks: int = 0
+    shared_active: int = 0
+    shared_prefill: int = 0
+    scraped: ScrapedLoad | None = None
+    # outputs, set by score()
+    credited: float = 0.0
+    cost: float = math.inf
+
+
+def credited_blocks(by_tier: Mapping[str, int], predicted: int, weights: ScoreWeights) -> float:
+    c = float(predicted)
+    for tier, m in by_tier.items():
+        if m:
+            c += weights.tier_weight(tier) * m
+    return c
+
+
+def score(c: Candidate, n: int, weights: ScoreWeights) -> float:
+    """Set and return ``c.cost`` (and ``c.credited``) for a request of ``n`` full blocks."""
+    credit = credited_blocks(c.by_tier, c.predicted_blocks, weights)
+    prefill = c.inflight_prefill - c.shared_prefill
+    if prefill < 0.0:
+        prefill = 0.0
+    active = c.active_blocks - c.shared_active
+    if active < 0:
+        active = 0
+    cost = weights.overlap_weight * (prefill + n - credit) + active
+    s = c.scraped
+    if s is not None:
+        cost += (
+            weights.running_weight * s.running
+            + weights.waiting_weight * s.waiting
+            + weights.kv_usage_weight * s.kv_usage
+        )
+    c.credited = credit
+    c.cost = cost
+    return cost
+
+
+def worker_hash(key: WorkerKey) -> int:
+    """Stable across processes (``hash(str)`` is salted per process, crc32 is not)."""
+    return zlib.crc32(f"{key[0]}\x00{key[1]}".encode())
+
+
+def tie_hash(request_key: int, key: WorkerKey) -> int:
+    x = (request_key ^ (worker_hash(key) * 0x9E3779B97F4A7C15)) & _M64
+    x ^= x >> 33
+    x = (x * 0xFF51AFD7ED558CCD) & _M64
+    x ^= x >> 33
+    return x
+
+
+def rank(
+    candidates: Sequence[Candidate],
+    n: int,
+    weights: ScoreWeights,
+    *,
+    request_key: int = 0,
+    temperature: float = 0.0,
+    rng: random.Random | None = None,
+) -> list[int]:
+    """Score every candidate; return the indices of the healthy ones, best first.
+
+    The order is the retry order of the proxy: the first is the choice.
+    """
+    healthy: list[tuple[float, float, int, int]] = []
+    for i, c in enumerate(candidates):
+        cost = score(c, n, weights)
+        if c.healthy:
+            load = c.inflight_prefill + c.active_blocks
+            healthy.append((cost, load, tie_hash(request_key, c.key), i))
+    healthy.sort()
+    order = [t[3] for t in healthy]
+    if temperature > 0.0 and len(order) > 1:
+        first = _sample(
+            [t[0] for t in healthy], temperature, rng if rng is not None else random.Random()
+        )
+        if first:
+            order.insert(0, order.pop(first))
+    return order
+
+
+def _sample(costs: Sequence[float], temperature: float, rng: random.Random) -> int:
+    lo, hi = min(costs), max(costs)
+    span = hi - lo
+    if span <= 0.0:
+        return rng.randrange(len(costs))
+    logits = [-((c - lo) / span) / temperature for c in costs]
+    top = max(logits)
+    ws = [math.exp(x - top) for x in logits]
+    r = rng.random() * sum(ws)
+    acc = 0.0
+    for i, w in enumerate(ws):
+        acc += w
+        if r < acc:
+            return i
+    return len(ws) - 1
+
+
+def tier_breakdown(by_tier: Mapping[str, int]) -> dict[str, int]:
+    """The four canonical tiers always present (0 when absent), then any unknown tier names."""
+    out = {t: by_tier.get(t, 0) for t in CANONICAL_TIERS}
+    for t, m in by_tier.items():
+        if t not in out:
+            out[t] = m
+    return out
