@@ -1,0 +1,249 @@
+"""Prometheus metrics of one router app, on its own ``CollectorRegistry`` (no global registry, so
+several apps — tests, replicas in one process — never collide).
+
+Request-path metrics are plain counters/histograms updated by the handlers. Event-plane and index
+state (events by type and tier, malformed, orphans, gaps, replays, lag, blocks per tier, worker
+health) is read at scrape time by :class:`StateCollector` from the subscriber's and index's own
+counters, on the event loop (``/metrics`` is an async handler), so nothing is counted twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+__all__ = ["RouterMetrics", "StateCollector", "WorkerSample"]
+
+_LATENCY_BUCKETS = (
+    50e-6,
+    100e-6,
+    200e-6,
+    300e-6,
+    450e-6,
+    700e-6,
+    1e-3,
+    2e-3,
+    5e-3,
+    10e-3,
+    25e-3,
+    50e-3,
+    0.1,
+    0.5,
+)
+_TTFB_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_RATIO_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
+_TOKEN_ERR_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 65536)
+
+
+class WorkerSample:
+    """What the collector reads about one worker rank at scrape time."""
+
+    __slots__ = ("dp_rank", "healthy", "index", "sub", "worker_id")
+
+    def __init__(
+        self, worker_id: str, dp_rank: int, healthy: bool, sub: Any | None, index: Any | None
+    ) -> None:
+        self.worker_id = worker_id
+        self.dp_rank = dp_rank
+        self.healthy = healthy
+        self.sub = sub  # indexer.subscriber.WorkerStats
+        self.index = index  # indexer.index.WorkerIndexStats
+
+
+_SUB_COUNTERS = (
+    ("messages", "event messages received"),
+    ("malformed", "malformed event messages dropped"),
+    ("orphans", "stored blocks whose parent was unknown (dropped)"),
+    ("gaps", "sequence gaps detected"),
+    ("replays", "replay requests sent"),
+    ("replay_failures", "replays that could not close a gap (worker index dropped)"),
+    ("restarts", "publisher restarts detected (sequence went backwards)"),
+    ("unknown_events", "events of unknown type skipped"),
+)
+
+
+class StateCollector(Collector):
+    def __init__(self, sample: Callable[[], Iterable[WorkerSample]]) -> None:
+        self._sample = sample
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["worker", "dp_rank"]
+        healthy = GaugeMetricFamily(
+            "kvrouter_worker_healthy", "1 if the worker passes health checks", labels=["worker"]
+        )
+        connected = GaugeMetricFamily(
+            "kvrouter_subscriber_connected",
+            "1 once the event subscriber is connected and replayed",
+            labels=labels,
+        )
+        lag = GaugeMetricFamily(
+            "kvrouter_event_lag_seconds",
+            "now minus the timestamp of the last event batch applied",
+            labels=labels,
+        )
+        last_seq = GaugeMetricFamily(
+            "kvrouter_event_last_seq", "last applied event sequence number", labels=labels
+        )
+        events = CounterMetricFamily(
+            "kvrouter_events_applied",
+            "KV events applied to the index, by type and tier",
+            labels=[*labels, "type", "tier"],
+        )
+        counters = {
+            name: CounterMetricFamily(f"kvrouter_events_{name}", doc, labels=labels)
+            for name, doc in _SUB_COUNTERS
+        }
+        blocks = GaugeMetricFamily(
+            "kvrouter_index_blocks",
+            "engine blocks indexed per worker and tier",
+            labels=[*labels, "tier"],
+        )
+        idx_orphans = CounterMetricFamily(
+            "kvrouter_index_orphan_blocks",
+            "blocks dropped because their parent was unknown",
+            labels=labels,
+        )
+        seen_workers: set[str] = set()
+        for s in self._sample():
+            lv = [s.worker_id, str(s.dp_rank)]
+            if s.worker_id not in seen_workers:
+                seen_workers.add(s.worker_id)
+                healthy.add_metric([s.worker_id], 1.0 if s.healthy else 0.0)
+            st = s.sub
+            if st is not None:
+                ready = bool(getattr(st, "connected", False)) and bool(
+                    getattr(st, "replay_done", False)
+                )
+                connected.add_metric(lv, 1.0 if ready else 0.0)
+                lag_s = getattr(st, "lag_s", None)
+                if lag_s is not None:
+                    lag.add_metric(lv, float(lag_s))
+                seq = getattr(st, "last_seq", None)
+                if seq is not None and seq >= 0:
+                    last_seq.add_metric(lv, float(seq))
+                for key, n in (getattr(st, "events_by_type", None) or {}).items():
+                    # "BlockStored" or "BlockStored:DISK" (type and tier)
+                    typ, _, tier = str(key).partition(":")
+                    events.add_metric([*lv, typ, tier], float(n))
+                for name, _doc in _SUB_COUNTERS:
+                    counters[name].add_metric(lv, float(getattr(st, name, 0) or 0))
+            ix = s.index
+            if ix is not None:
+                for tier, n in ix.blocks_by_tier.items():
+                    blocks.add_metric([*lv, tier], float(n))
+                idx_orphans.add_metric(lv, float(getattr(ix, "orphan_blocks", 0)))
+        yield healthy
+        yield connected
+        yield lag
+        yield last_seq
+        yield events
+        yield from counters.values()
+        yield blocks
+        yield idx_orphans
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.registry = r
+        self.route_decisions = Counter(
+            "kvrouter_route_decisions",
+            "placement decisions per chosen worker",
+            ["worker", "kind"],
+            registry=r,
+        )
+        self.matched_ratio = Histogram(
+            "kvrouter_matched_block_ratio",
+            "matched / request blocks on the chosen worker",
+            buckets=_RATIO_BUCKETS,
+            registry=r,
+        )
+        self.route_latency = Histogram(
+            "kvrouter_route_latency_seconds",
+            "time to answer POST /route (after the body is read)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.decision_latency = Histogram(
+            "kvrouter_decision_latency_seconds",
+            "time to hash, match and score one request",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.proxied = Counter(
+            "kvrouter_proxied_requests",
+            "proxied OpenAI requests by worker, endpoint and status",
+            ["worker", "endpoint", "status"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "kvrouter_proxy_retries",
+            "attempts moved to the next worker before any byte was sent",
+            ["worker", "reason"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "kvrouter_rejected_requests",
+            "requests answered by the router itself with an error",
+            ["status"],
+            registry=r,
+        )
+        self.ttfb = Histogram(
+            "kvrouter_time_to_first_byte_seconds",
+            "time from request to the first upstream body byte",
+            ["worker"],
+            buckets=_TTFB_BUCKETS,
+            registry=r,
+        )
+        self.inflight = Gauge(
+            "kvrouter_inflight_requests",
+            "proxied requests in flight per worker",
+            ["worker"],
+            registry=r,
+        )
+        self.predicted_tokens = Counter(
+            "kvrouter_cached_tokens_predicted",
+            "cached prompt tokens the router predicted on the "
+            "chosen worker (for requests whose worker reported usage)",
+            ["worker"],
+            registry=r,
+        )
+        self.actual_tokens = Counter(
+            "kvrouter_cached_tokens_actual",
+            "cached prompt tokens the worker reported (usage.prompt_tokens_details.cached_tokens)",
+            ["worker"],
+            registry=r,
+        )
+        self.cached_error = Histogram(
+            "kvrouter_cached_tokens_abs_error",
+            "|predicted - actual| cached prompt tokens per request",
+            ["worker"],
+            buckets=_TOKEN_ERR_BUCKETS,
+            registry=r,
+        )
+        self.predicted_blocks = Gauge(
+            "kvrouter_predicted_blocks",
+            "(block, worker) predictions alive against herding",
+            registry=r,
+        )
+        self.accounted_routes = Gauge(
+            "kvrouter_accounted_routes",
+            "/route placements accounted and not yet released",
+            registry=r,
+        )
+        self.tokenize_latency = Histogram(
+            "kvrouter_tokenize_seconds",
+            "time to tokenize a text prompt",
+            ["tokenizer"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+
+    def observe_cached(self, worker: str, predicted: int, actual: int) -> None:
+        self.predicted_tokens.labels(worker).inc(predicted)
+        self.actual_tokens.labels(worker).inc(actual)
+        self.cached_error.labels(worker).observe(abs(predicted - actual))

@@ -1,0 +1,247 @@
+"""Text → token ids for routing, when a request carries text instead of ``token_ids``.
+
+- ``byte`` (default): token id = UTF-8 byte value (0..255), no special tokens — the bundled
+  engine's default tokenizer. Chat messages are rendered with :data:`BYTE_CHAT_TEMPLATE` first.
+- ``hf:<dir>``: a local Hugging Face ``tokenizer.json`` (``tokenizers`` package); chat messages
+  go through the ``chat_template`` of ``<dir>/tokenizer_config.json`` rendered with jinja2 in a
+  sandbox, like ``transformers.apply_chat_template(..., add_generation_prompt=True)``.
+- ``worker``: the worker's own ``POST /tokenize`` (vLLM's shape: ``{"model", "prompt"}`` or
+  ``{"model", "messages"}`` → ``{"tokens": [...]}``); only registered worker URLs are called.
+
+Work that may take more than a few milliseconds runs in a thread (``asyncio.to_thread``) so
+the event loop — which owns the index — keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import httpx
+import msgspec
+
+from router.errors import ConfigError, NoHealthyWorker, TokenizeError
+
+__all__ = [
+    "BYTE_CHAT_TEMPLATE",
+    "ByteTokenizer",
+    "HFTokenizer",
+    "Tokenizer",
+    "WorkerTokenizer",
+    "make_tokenizer",
+    "message_text",
+    "render_byte_chat",
+]
+
+#: Chat rendering of the byte tokenizer, shared with the bundled engine's default:
+#: ``<|role|>\ncontent\n`` per message, then ``<|assistant|>\n`` (the generation prompt).
+BYTE_CHAT_TEMPLATE = "<|{role}|>\n{content}\n"
+BYTE_GENERATION_PROMPT = "<|assistant|>\n"
+
+# Byte tokenization is a memcpy; only huge prompts leave the loop. An HF tokenizer spends about
+# 1 µs per character, so a few thousand characters is already a few milliseconds.
+_BYTE_OFFLOOP_CHARS = 1 << 20
+Picker = Callable[[str | None], tuple[str, str]]
+_HF_OFFLOOP_CHARS = 2048
+
+
+def message_text(content: Any) -> str:
+    """OpenAI message content: a string, or a list of parts of which the text parts count."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        out = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "text":
+                out.append(str(part.get("text", "")))
+            elif isinstance(part, str):
+                out.append(part)
+        return "".join(out)
+    raise TokenizeError("messages[].content must be a string or a list of content parts")
+
+
+def render_byte_chat(messages: Sequence[Any]) -> str:
+    parts = []
+    for m in messages:
+        parts.append(
+            BYTE_CHAT_TEMPLATE.format(
+                role=m.get("role", ""), content=message_text(m.get("content"))
+            )
+        )
+    parts.append(BYTE_GENERATION_PROMPT)
+    return "".join(parts)
+
+
+class Tokenizer(Protocol):
+    name: str
+
+    async def encode(self, prompt: str, model: str | None = None) -> list[int]: ...
+
+    async def encode_chat(
+        self, messages: list[dict[str, Any]], model: str | None = None
+    ) -> list[int]: ...
+
+
+class ByteTokenizer:
+    name = "byte"
+
+    @staticmethod
+    def encode_sync(text: str) -> list[int]:
+        return list(text.encode("utf-8", "surrogatepass"))
+
+    async def encode(self, prompt: str, model: str | None = None) -> list[int]:
+        if len(prompt) > _BYTE_OFFLOOP_CHARS:
+            return await asyncio.to_thread(self.encode_sync, prompt)
+        return self.encode_sync(prompt)
+
+    async def encode_chat(
+        self, messages: list[dict[str, Any]], model: str | None = None
+    ) -> list[int]:
+        return await self.encode(render_byte_chat(messages))
+
+
+def _special(value: Any) -> str:
+    # tokenizer_config.json stores special tokens as strings or as AddedToken dicts
+    if isinstance(value, dict):
+        return str(value.get("content", ""))
+    return "" if value is None else str(value)
+
+
+class HFTokenizer:
+    def __init__(self, directory: str | Path) -> None:
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        from tokenizers import Tokenizer as _HF
+
+        d = Path(directory)
+        self.name = f"hf:{d}"
+        try:
+            self._tok = _HF.from_file(str(d / "tokenizer.json"))
+        except Exception as e:  # tokenizers raises plain Exception subclasses
+            raise ConfigError(
+                f"invalid config: tokenizer: cannot load {d / 'tokenizer.json'}: {e}"
+            ) from e
+        cfg: dict[str, Any] = {}
+        cfg_path = d / "tokenizer_config.json"
+        if cfg_path.exists():
+            try:
+                cfg = json.loads(cfg_path.read_text())
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"invalid config: tokenizer: cannot read {cfg_path}: {e}") from e
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default") or next(iter(named.values()), None)
+        self._bos = _special(cfg.get("bos_token"))
+        self._eos = _special(cfg.get("eos_token"))
+        self._template = None
+        self._template_error = TemplateError
+        if template:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise_template_error
+            try:
+                self._template = env.from_string(template)
+            except TemplateError as e:
+                raise ConfigError(f"invalid config: tokenizer: bad chat_template: {e}") from e
+
+    def encode_sync(self, prompt: str, *, special: bool = True) -> list[int]:
+        return list(self._tok.encode(prompt, add_special_tokens=special).ids)
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+        if self._template is None:
+            raise TokenizeError("this tokenizer has no chat_template: send prompt or token_ids")
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=True,
+                bos_token=self._bos,
+                eos_token=self._eos,
+            )
+        except self._template_error as e:
+            raise TokenizeError(f"chat template failed on these messages: {e}") from e
+
+    def _chat_sync(self, messages: list[dict[str, Any]]) -> list[int]:
+        # the template already placed the special tokens it wants
+        return self.encode_sync(self.render_chat(messages), special=False)
+
+    async def encode(self, prompt: str, model: str | None = None) -> list[int]:
+        if len(prompt) > _HF_OFFLOOP_CHARS:
+            return await asyncio.to_thread(self.encode_sync, prompt)
+        return self.encode_sync(prompt)
+
+    async def encode_chat(
+        self, messages: list[dict[str, Any]], model: str | None = None
+    ) -> list[int]:
+        size = sum(len(message_text(m.get("content"))) for m in messages)
+        if size > _HF_OFFLOOP_CHARS:
+            return await asyncio.to_thread(self._chat_sync, messages)
+        return self._chat_sync(messages)
+
+
+def _raise_template_error(message: str) -> None:
+    from jinja2 import TemplateError
+
+    raise TemplateError(message)
+
+
+class _TokenizeReply(msgspec.Struct):
+    tokens: list[int]
+
+
+_decode_reply = msgspec.json.Decoder(_TokenizeReply).decode
+
+
+class WorkerTokenizer:
+    """Asks a registered worker: ``pick(model)`` returns ``(base_url, model name to send)`` of a
+    healthy worker serving ``model`` (raises :class:`NoHealthyWorker` when there is none)."""
+
+    name = "worker"
+
+    def __init__(self, client: httpx.AsyncClient, pick: Picker) -> None:
+        self._client = client
+        self._pick = pick
+
+    async def _call(self, body: dict[str, Any], model: str | None) -> list[int]:
+        url, name = self._pick(model)
+        if name:
+            body["model"] = name
+        try:
+            r = await self._client.post(url + "/tokenize", json=body)
+        except httpx.HTTPError as e:
+            raise NoHealthyWorker(f"worker tokenizer unreachable: {e!r}") from e
+        if r.status_code != 200:
+            raise TokenizeError(f"worker /tokenize answered {r.status_code}: {r.text[:200]}")
+        try:
+            return _decode_reply(r.content).tokens
+        except msgspec.DecodeError as e:
+            raise TokenizeError(f"worker /tokenize answered an unexpected body: {e}") from e
+
+    async def encode(self, prompt: str, model: str | None = None) -> list[int]:
+        return await self._call({"prompt": prompt}, model)
+
+    async def encode_chat(
+        self, messages: list[dict[str, Any]], model: str | None = None
+    ) -> list[int]:
+        return await self._call({"messages": messages, "add_generation_prompt": True}, model)
+
+
+def make_tokenizer(
+    spec: str,
+    *,
+    client: httpx.AsyncClient | None = None,
+    pick: Picker | None = None,
+) -> Tokenizer:
+    if spec == "byte":
+        return ByteTokenizer()
+    if spec.startswith("hf:"):
+        return HFTokenizer(spec[3:])
+    if spec == "worker":
+        if client is None or pick is None:
+            raise ConfigError("invalid config: tokenizer: 'worker' needs the router's HTTP client")
+        return WorkerTokenizer(client, pick)
+    raise ConfigError(f"invalid config: tokenizer: unknown tokenizer {spec!r}")
