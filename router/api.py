@@ -1,0 +1,163 @@
+"""HTTP boundary shapes: request bodies (msgspec, one reusable decoder per shape), the ``/route``
+answer, and reading a body under the configured size limit.
+
+Invalid JSON → 400; valid JSON of the wrong shape → 422 naming the field (``token_ids[3]: expected
+`int`, got `str```); a body over ``proxy.max_body_bytes`` → 413, enforced while reading (a client
+may lie in, or omit, ``Content-Length``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import msgspec
+from starlette.requests import Request
+
+from router.errors import BadRequest, PayloadTooLarge, UnprocessableEntity
+from router.settings import describe_validation_error
+
+__all__ = [
+    "CandidateOut",
+    "ChatBody",
+    "CompletionBody",
+    "RouteOut",
+    "RouteRequest",
+    "WorkerIn",
+    "decode",
+    "encode",
+    "read_body",
+]
+
+T = TypeVar("T")
+
+
+class RouteRequest(msgspec.Struct):
+    model: str | None = None
+    token_ids: list[int] | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    lora_name: str | None = None
+    account: bool = False
+
+
+class CompletionBody(msgspec.Struct):
+    """The fields of an OpenAI completions request the router reads; the body is forwarded as is."""
+
+    model: str | None = None
+    # str | list[str] | list[int] | list[list[int]]: msgspec unions allow one array type, so the
+    # shape is checked by ``completion_tokens_source``
+    prompt: Any = None
+    stream: bool = False
+    lora_name: str | None = None
+
+
+class ChatBody(msgspec.Struct):
+    model: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    stream: bool = False
+    lora_name: str | None = None
+
+
+class WorkerIn(msgspec.Struct, forbid_unknown_fields=True):
+    """``POST /workers`` body (same names as a ``workers:`` entry of the YAML config)."""
+
+    id: str
+    url: str
+    events_endpoint: str
+    replay_endpoint: str | None = None
+    dp_ranks: int = 1
+    pool: str | None = None
+    model: str = ""
+
+
+class CandidateOut(msgspec.Struct):
+    worker_id: str
+    dp_rank: int
+    healthy: bool
+    matched_blocks: int
+    matched_by_tier: dict[str, int]
+    predicted_blocks: int
+    active_blocks: int
+    inflight_prefill_blocks: float
+    shared_active_blocks: int
+    shared_prefill_blocks: int
+    credited_blocks: float
+    cost: float
+
+
+class RouteOut(msgspec.Struct, omit_defaults=True):
+    worker_id: str
+    dp_rank: int
+    url: str
+    block_size: int
+    request_blocks: int
+    cached_blocks: int
+    candidates: list[CandidateOut]
+    route_id: str | None = None
+
+
+_decoders: dict[type, msgspec.json.Decoder[Any]] = {}
+encode = msgspec.json.Encoder().encode
+
+
+def decode(body: bytes, typ: type[T]) -> T:
+    dec = _decoders.get(typ)
+    if dec is None:
+        dec = _decoders[typ] = msgspec.json.Decoder(typ)
+    try:
+        return dec.decode(body)
+    except msgspec.ValidationError as e:
+        key, problem = describe_validation_error(e)
+        if key == "<top level>":
+            raise UnprocessableEntity(f"request body: {problem}") from e
+        raise UnprocessableEntity(f"{key}: {problem}") from e
+    except msgspec.DecodeError as e:
+        raise BadRequest(f"request body is not valid JSON: {e}") from e
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise PayloadTooLarge(f"request body of {length} bytes is over the {limit}-byte limit")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body is over the {limit}-byte limit")
+        chunks.append(chunk)
+    if len(chunks) == 1:
+        return chunks[0]
+    return b"".join(chunks)
+
+
+def completion_tokens_source(prompt: Any) -> str | list[int] | None:
+    """The prompt to route on: the string or token list, or the first of a batch."""
+    if prompt is None:
+        return None
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list):
+        if not prompt:
+            return None
+        first = prompt[0]
+        if isinstance(first, int) and not isinstance(first, bool):
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                raise UnprocessableEntity("prompt: a token list must hold only integers")
+            return prompt
+        if isinstance(first, str):
+            return first
+        if isinstance(first, list):
+            return completion_tokens_source(first)
+    raise UnprocessableEntity(
+        "prompt: expected a string, a list of strings, a token list or a list of token lists"
+    )
+
+
+def check_messages(messages: list[dict[str, Any]]) -> None:
+    for i, m in enumerate(messages):
+        if not isinstance(m.get("role"), str):
+            raise UnprocessableEntity(f"messages[{i}].role: expected `str`")
+        content = m.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise UnprocessableEntity(f"messages[{i}].content: expected a string or a list")

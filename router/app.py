@@ -1,0 +1,340 @@
+"""The FastAPI app: ``create_app(settings)`` wires the HTTP API onto a :class:`RouterState` that
+its lifespan builds (index, subscriber task, HTTP client, metrics registry, health checks) and
+tears down. No module-level mutable state: two apps in one process share nothing.
+
+Endpoints are plain Starlette routes returning msgspec-encoded bytes: ``/route`` answers in a few
+hundred microseconds, so FastAPI's dependency solving and pydantic serialization are skipped.
+Every error is JSON ``{"error": {"message", "type"}}`` with the status of :mod:`router.errors`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from fastapi import FastAPI
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from router.api import (
+    CandidateOut,
+    RouteOut,
+    RouteRequest,
+    WorkerIn,
+    check_messages,
+    decode,
+    encode,
+    read_body,
+)
+from router.errors import (
+    BadRequest,
+    NoHealthyWorker,
+    NotFound,
+    RouterError,
+    Unauthorized,
+    error_response,
+)
+from router.proxy import proxy_openai
+from router.scoring import tier_breakdown
+from router.service import RouterState
+from router.settings import Settings, WorkerConfig
+
+__all__ = ["create_app"]
+
+log = logging.getLogger("kvrouter.app")
+_JSON = "application/json"
+_HOUSEKEEPING_S = 0.5
+
+
+def _json(obj: Any, status: int = 200) -> Response:
+    return Response(encode(obj), status_code=status, media_type=_JSON)
+
+
+def _state(request: Request) -> RouterState:
+    return request.app.state.kv
+
+
+def _require_admin(state: RouterState, request: Request) -> None:
+    key = state.settings.admin_key
+    if not key:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(
+        token.strip().encode(), key.encode()
+    ):
+        raise Unauthorized("this endpoint needs the admin key: Authorization: Bearer <key>")
+
+
+# ------------------------------------------------------------------------------ /route
+
+
+async def route(request: Request) -> Response:
+    state = _state(request)
+    body = await read_body(request, state.settings.proxy.max_body_bytes)
+    t0 = time.perf_counter()
+    req = decode(body, RouteRequest)
+    if req.token_ids is not None:
+        tokens: list[int] = req.token_ids
+    elif req.prompt is not None:
+        tokens = await state.tokenizer.encode(req.prompt, req.model)
+    elif req.messages:
+        check_messages(req.messages)
+        tokens = await state.tokenizer.encode_chat(req.messages, req.model)
+    else:
+        raise BadRequest("one of token_ids, prompt or messages is required")
+    d = state.place(tokens, req.model, req.lora_name)
+    if not d.order:
+        raise NoHealthyWorker("no healthy worker for this request")
+    best = d.order[0]
+    c = d.candidates[best]
+    route_id = None
+    if req.account:
+        route_id = state.accounts.add(state.commit(d, best, kind="route_account"))
+    else:
+        state.metrics.route_decisions.labels(c.key[0], "route").inc()
+    out = RouteOut(
+        worker_id=c.key[0],
+        dp_rank=c.key[1],
+        url=d.states[best].url,
+        block_size=d.block_size,
+        request_blocks=d.n,
+        cached_blocks=c.matched_blocks,
+        candidates=[
+            CandidateOut(
+                worker_id=x.key[0],
+                dp_rank=x.key[1],
+                healthy=x.healthy,
+                matched_blocks=x.matched_blocks,
+                matched_by_tier=tier_breakdown(x.by_tier),
+                predicted_blocks=x.predicted_blocks,
+                active_blocks=x.active_blocks,
+                inflight_prefill_blocks=x.inflight_prefill,
+                shared_active_blocks=x.shared_active,
+                shared_prefill_blocks=x.shared_prefill,
+                credited_blocks=x.credited,
+                cost=x.cost,
+            )
+            for x in d.candidates
+        ],
+        route_id=route_id,
+    )
+    resp = Response(encode(out), media_type=_JSON)
+    state.metrics.route_latency.observe(time.perf_counter() - t0)
+    return resp
+
+
+async def release_route(request: Request) -> Response:
+    state = _state(request)
+    route_id = request.path_params["route_id"]
+    if not state.accounts.release(route_id):
+        raise NotFound(f"route {route_id!r} is unknown, released or expired")
+    return _json({"released": route_id})
+
+
+# ------------------------------------------------------------------------------ OpenAI
+
+
+async def completions(request: Request) -> Response:
+    return await proxy_openai(_state(request), request, "completions")
+
+
+async def chat_completions(request: Request) -> Response:
+    return await proxy_openai(_state(request), request, "chat")
+
+
+async def models(request: Request) -> Response:
+    state = _state(request)
+    if any(not st.models() for st in state.registry.states()):
+        await state.registry.check_all(state.client)
+    names = sorted(state.registry.known_models())
+    created = int(state.started_at)
+    data = [{"id": m, "object": "model", "created": created, "owned_by": "kvrouter"} for m in names]
+    return _json({"object": "list", "data": data})
+
+
+# ------------------------------------------------------------------------------ workers
+
+
+def _worker_view(state: RouterState, worker_id: str) -> dict[str, Any]:
+    st = state.registry.workers[worker_id]
+    stats = state.subscriber.stats()
+    cfg = st.config
+    ranks = []
+    for key in st.keys:
+        ws = stats.get(key)
+        ld = state.load.get(key)
+        ranks.append(
+            {
+                "dp_rank": key[1],
+                "subscriber": ws.as_dict() if ws is not None else None,
+                "inflight_requests": ld.requests if ld is not None else 0,
+                "inflight_prefill_blocks": ld.inflight_prefill if ld is not None else 0.0,
+                "active_blocks": ld.active_blocks if ld is not None else 0,
+            }
+        )
+    return {
+        "id": cfg.id,
+        "url": cfg.url,
+        "events_endpoint": cfg.events_endpoint,
+        "replay_endpoint": cfg.replay_endpoint,
+        "dp_ranks": cfg.dp_ranks,
+        "pool": cfg.pool,
+        "model": cfg.model,
+        "models": sorted(st.models()),
+        "dynamic": st.dynamic,
+        "healthy": st.healthy,
+        "ready": state.subscriber.worker_ready(cfg.id),
+        "last_check": st.last_check,
+        "last_error": st.last_error,
+        "inflight_requests": state.load.inflight(cfg.id),
+        "scraped_load": st.scraped,
+        "seconds_since_last_event": state.subscriber.seconds_since_last_message(cfg.id),
+        "ranks": ranks,
+    }
+
+
+async def list_workers(request: Request) -> Response:
+    state = _state(request)
+    return _json({"workers": [_worker_view(state, w) for w in state.registry.workers]})
+
+
+async def add_worker(request: Request) -> Response:
+    state = _state(request)
+    _require_admin(state, request)
+    w = decode(await read_body(request, 65536), WorkerIn)
+    try:
+        cfg = WorkerConfig(
+            id=w.id,
+            url=w.url,
+            events_endpoint=w.events_endpoint,
+            replay_endpoint=w.replay_endpoint,
+            dp_ranks=w.dp_ranks,
+            pool=w.pool,
+            model=w.model,
+        )
+    except ValueError as e:  # __post_init__ checks: "`url` must be an http(s) URL"
+        raise BadRequest(str(e).replace("`", "")) from e
+    await state.add_worker(cfg, dynamic=True)
+    return _json(_worker_view(state, cfg.id), status=201)
+
+
+async def delete_worker(request: Request) -> Response:
+    state = _state(request)
+    _require_admin(state, request)
+    worker_id = request.path_params["worker_id"]
+    await state.remove_worker(worker_id)
+    return _json({"deleted": worker_id})
+
+
+# ------------------------------------------------------------------------------ ops
+
+
+async def health(request: Request) -> Response:
+    return _json({"status": "ok"})
+
+
+async def ready(request: Request) -> Response:
+    ok, waiting = _state(request).ready()
+    return _json({"ready": ok, "waiting_for": waiting}, status=200 if ok else 503)
+
+
+async def metrics(request: Request) -> Response:
+    state = _state(request)
+    state.housekeeping()
+    # generated on the loop: the collector reads the index, which only the loop may touch
+    return Response(generate_latest(state.prom), media_type=CONTENT_TYPE_LATEST)
+
+
+# ------------------------------------------------------------------------------ wiring
+
+
+async def _router_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RouterError)
+    state = getattr(request.app.state, "kv", None)
+    if state is not None:
+        state.metrics.rejected.labels(str(exc.status)).inc()
+    return error_response(exc.status, exc.message, exc.type)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return error_response(exc.status_code, str(exc.detail), kind, headers=exc.headers)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(500, "internal router error", "internal_error")
+
+
+async def _housekeeping(state: RouterState) -> None:
+    while True:
+        await asyncio.sleep(_HOUSEKEEPING_S)
+        state.housekeeping()
+
+
+def create_app(settings: Settings) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        p = settings.proxy
+        client = httpx.AsyncClient(
+            timeout=httpx.Timeout(
+                connect=p.connect_timeout_s,
+                read=p.read_timeout_s,
+                write=p.write_timeout_s,
+                pool=p.pool_timeout_s,
+            ),
+            limits=httpx.Limits(
+                max_connections=p.max_connections, max_keepalive_connections=p.max_connections
+            ),
+            follow_redirects=False,
+            trust_env=False,  # worker URLs are local: never through an environment proxy
+        )
+        state = RouterState(settings, client)
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            await state.subscriber.start()
+            for w in settings.workers:
+                await state.add_worker(w)
+            tasks.append(asyncio.create_task(state.registry.run(client), name="health"))
+            tasks.append(asyncio.create_task(_housekeeping(state), name="housekeeping"))
+            app.state.kv = state
+            yield
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await state.subscriber.aclose()
+            await client.aclose()
+
+    app = FastAPI(
+        title="kvrouter",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+    app.add_exception_handler(RouterError, _router_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)
+    add = app.add_route
+    add("/route", route, methods=["POST"])
+    add("/route/{route_id}/release", release_route, methods=["POST"])
+    add("/v1/completions", completions, methods=["POST"])
+    add("/v1/chat/completions", chat_completions, methods=["POST"])
+    add("/v1/models", models, methods=["GET"])
+    add("/workers", list_workers, methods=["GET"])
+    add("/workers", add_worker, methods=["POST"])
+    add("/workers/{worker_id}", delete_worker, methods=["DELETE"])
+    add("/health", health, methods=["GET"])
+    add("/ready", ready, methods=["GET"])
+    add("/metrics", metrics, methods=["GET"])
+    return app

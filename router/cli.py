@@ -1,0 +1,107 @@
+"""``kvrouter serve`` / ``python -m router``: parse flags, load settings, run the app with uvicorn.
+
+``main(argv)`` takes the words after ``serve`` (``kvrouter serve --port 0`` calls
+``main(["--port", "0"])``). Once the socket is bound it prints
+``kvrouter router listening on http://HOST:PORT`` (with the real port when ``--port 0``) — the
+``kvrouter up`` launcher reads that line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import socket
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import uvicorn
+
+from router.errors import ConfigError
+from router.settings import Settings, load_settings
+
+__all__ = ["build_parser", "main", "settings_from_args"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvrouter serve",
+        description="KV-aware router: /route placement API and OpenAI proxy over a worker fleet.",
+    )
+    p.add_argument("--config", help="router YAML config (see configs/router.example.yaml)")
+    p.add_argument("--host", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="bind port, 0 = any free port (default 8000)")
+    p.add_argument("--block-size", type=int, help="router block size in tokens (default 16)")
+    p.add_argument("--admin-key", help="bearer key required by POST/DELETE /workers")
+    p.add_argument("--tokenizer", help="byte | hf:<dir> | worker (default byte)")
+    p.add_argument("--log-level", help="critical|error|warning|info|debug (default info)")
+    p.add_argument(
+        "--worker",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="id=w0,url=http://127.0.0.1:8001,events=tcp://127.0.0.1:5557"
+        "[,replay=tcp://127.0.0.1:5558][,dp=2][,pool=P][,model=M] (repeatable)",
+    )
+    return p
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    overrides: dict[str, Any] = {
+        "host": args.host,
+        "port": args.port,
+        "block_size": args.block_size,
+        "admin_key": args.admin_key,
+        "tokenizer": args.tokenizer,
+        "log_level": args.log_level,
+    }
+    return load_settings(args.config, overrides=overrides, worker_specs=args.worker)
+
+
+class _Server(uvicorn.Server):
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if not self.started:
+            return
+        host, port = self.config.host, self.config.port
+        for server in getattr(self, "servers", []):
+            for sock in server.sockets or ():
+                name = sock.getsockname()
+                host, port = name[0], name[1]
+                break
+            break
+        if ":" in host:
+            host = f"[{host}]"
+        print(f"kvrouter router listening on http://{host}:{port}", flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        settings = settings_from_args(args)
+        from router.app import create_app
+
+        app = create_app(settings)
+    except ConfigError as e:
+        print(f"kvrouter: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=settings.log_level.upper() if settings.log_level != "trace" else "DEBUG",
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        lifespan="on",
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )
+    server = _Server(config)
+    try:
+        asyncio.run(server.serve())
+    except KeyboardInterrupt:
+        pass
+    return 0 if server.started else 1

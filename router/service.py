@@ -1,0 +1,239 @@
+"""The router's state and its placement decision, shared by ``/route`` and the proxy.
+
+:class:`RouterState` is built by the app's lifespan and owns, for one app: the prefix index, the
+subscriber (the index's only writer), the HTTP client, the metrics registry, the worker registry,
+load accounting, accounted routes and predicted blocks. Everything here runs on the event loop and
+never awaits while it reads the index, so a decision sees one consistent index state.
+
+``place`` = hash the request (per index namespace: the worker's configured model), match it against
+the index with the predicted overlay and EXTERNAL pools, fill one :class:`router.scoring.Candidate`
+per worker rank with its load, and rank them. ``commit`` = account the request on the chosen rank
+and record its blocks as predicted there.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Mapping, Sequence
+
+import httpx
+from prometheus_client import CollectorRegistry
+
+from indexer.index import PrefixIndex, WorkerKey, WorkerMatch
+from indexer.subscriber import Subscriber, WorkerEndpoint
+from router.errors import BadRequest, Conflict, NoHealthyWorker, NotFound
+from router.load import LoadTracker, RouteAccounts, Ticket
+from router.metrics import RouterMetrics, StateCollector, WorkerSample
+from router.predict import PredictedBlocks
+from router.registry import Registry, WorkerState
+from router.scoring import Candidate, ScoreWeights, rank
+from router.settings import Settings, WorkerConfig
+from router.tokenize import Tokenizer, make_tokenizer
+
+__all__ = ["Decision", "RouterState"]
+
+log = logging.getLogger("kvrouter.router")
+_M64 = (1 << 64) - 1
+
+
+class Decision:
+    """One placement: every candidate rank scored, ``order`` = healthy ones best first."""
+
+    __slots__ = ("block_size", "candidates", "hashes", "n", "order", "states")
+
+    def __init__(
+        self,
+        n: int,
+        candidates: list[Candidate],
+        hashes: list[Sequence[int]],
+        order: list[int],
+        states: list[WorkerState],
+        block_size: int,
+    ) -> None:
+        self.n = n
+        self.candidates = candidates
+        self.hashes = hashes  # per candidate (one list per index namespace, shared)
+        self.order = order
+        self.states = states  # per candidate
+        self.block_size = block_size
+
+
+class RouterState:
+    def __init__(self, settings: Settings, client: httpx.AsyncClient) -> None:
+        self.settings = settings
+        self.client = client
+        self.index = PrefixIndex(settings.block_size)
+        self.subscriber = Subscriber(
+            self.index, replay_timeout=settings.subscriber.replay_timeout_s
+        )
+        sc = settings.scoring
+        self.weights = ScoreWeights(
+            overlap_weight=sc.overlap_weight,
+            tier_weights=sc.effective_tier_weights(),
+            running_weight=sc.running_weight,
+            waiting_weight=sc.waiting_weight,
+            kv_usage_weight=sc.kv_usage_weight,
+        )
+        self.temperature = sc.temperature
+        self.rng = random.Random(sc.seed)
+        self.registry = Registry(settings.health, scrape_metrics=sc.scrapes_metrics)
+        self.load = LoadTracker()
+        self.accounts = RouteAccounts(
+            self.load, settings.route.account_ttl_s, settings.route.max_accounted
+        )
+        self.predicted = PredictedBlocks(sc.predicted_ttl_s, max_blocks=sc.predicted_max_blocks)
+        self.prom = CollectorRegistry(auto_describe=True)
+        self.metrics = RouterMetrics(self.prom)
+        self.prom.register(StateCollector(self._samples))
+        self.tokenizer: Tokenizer = make_tokenizer(
+            settings.tokenizer, client=client, pick=self.pick_tokenize_worker
+        )
+        self.inflight = 0
+        self.started_at = time.time()
+
+    # ------------------------------------------------------------------ workers
+
+    async def add_worker(self, cfg: WorkerConfig, *, dynamic: bool = False) -> WorkerState:
+        if cfg.id in self.registry:
+            raise Conflict(f"worker {cfg.id!r} is already registered")
+        for r in range(cfg.dp_ranks):
+            self.index.add_worker(cfg.id, r, model=cfg.model)
+        st = self.registry.add(cfg, dynamic=dynamic)
+        ep = WorkerEndpoint(
+            worker_id=cfg.id,
+            events=cfg.events_endpoint,
+            replay=cfg.replay_endpoint,
+            dp_ranks=cfg.dp_ranks,
+            model=cfg.model,
+        )
+        try:
+            await self.subscriber.add_worker(ep)
+        except Exception as e:
+            self.registry.remove(cfg.id)
+            self.index.remove_worker(cfg.id)
+            raise BadRequest(f"cannot subscribe to worker {cfg.id!r}: {e}") from e
+        return st
+
+    async def remove_worker(self, worker_id: str) -> None:
+        st = self.registry.workers.get(worker_id)
+        if st is None:
+            raise NotFound(f"worker {worker_id!r} is not registered")
+        for key in st.keys:
+            try:
+                self.predicted.drop_slot(self.index.slot(key))
+            except KeyError:
+                pass
+        self.registry.remove(worker_id)
+        await self.subscriber.remove_worker(worker_id)
+        self.index.remove_worker(worker_id)
+        self.accounts.drop_worker(worker_id)
+        self.load.drop_worker(worker_id)
+
+    def ready(self) -> tuple[bool, list[str]]:
+        waiting = [w for w in self.registry.workers if not self.subscriber.worker_ready(w)]
+        return not waiting, waiting
+
+    def pick_tokenize_worker(self, model: str | None) -> tuple[str, str]:
+        for st in self.registry.candidates(model):
+            if st.healthy:
+                names = st.models()
+                return st.url, model or (min(names) if names else "")
+        raise NoHealthyWorker("no healthy worker to tokenize with")
+
+    def _samples(self) -> list[WorkerSample]:
+        stats = self.subscriber.stats()
+        out = []
+        for st in self.registry.workers.values():
+            for key in st.keys:
+                try:
+                    ix = self.index.worker_stats(key)
+                except KeyError:
+                    ix = None
+                out.append(WorkerSample(key[0], key[1], st.healthy, stats.get(key), ix))
+        return out
+
+    # ---------------------------------------------------------------- placement
+
+    def place(
+        self, token_ids: Sequence[int], model: str | None = None, lora_name: str | None = None
+    ) -> Decision:
+        """Score every rank that may serve ``model``. Raises :class:`NotFound` for an unknown
+        model; an empty ``order`` means no healthy worker (the caller answers 503)."""
+        t0 = time.perf_counter()
+        states = self.registry.candidates(model)
+        index = self.index
+        overlay = self.predicted.overlay()
+        pools = self.registry.pools()
+        load_get = self.load.get
+        candidates: list[Candidate] = []
+        cand_hashes: list[Sequence[int]] = []
+        cand_states: list[WorkerState] = []
+        by_ns: dict[str, tuple[list[int], Mapping[WorkerKey, WorkerMatch]]] = {}
+        n = 0
+        for st in states:
+            ns = st.config.model
+            entry = by_ns.get(ns)
+            if entry is None:
+                try:
+                    hashes = index.request_hashes(token_ids, model=ns, lora_name=lora_name)
+                except (TypeError, OverflowError, ValueError) as e:
+                    raise BadRequest(f"token_ids: {e}") from e
+                res = index.match(hashes, overlay=overlay, pools=pools)
+                entry = by_ns[ns] = (hashes, res.workers)
+                n = res.request_blocks
+            hashes, matches = entry
+            for key in st.keys:
+                c = Candidate(key, st.healthy)
+                wm = matches.get(key)
+                if wm is not None:
+                    c.matched_blocks = wm.matched_blocks
+                    c.by_tier = wm.by_tier
+                    c.predicted_blocks = wm.predicted_blocks
+                ld = load_get(key)
+                if ld is not None:
+                    c.inflight_prefill = ld.inflight_prefill
+                    c.active_blocks = ld.active_blocks
+                    c.shared_active, c.shared_prefill = self.load.shared(key, hashes)
+                c.scraped = st.scraped
+                candidates.append(c)
+                cand_hashes.append(hashes)
+                cand_states.append(st)
+        if cand_hashes and cand_hashes[0]:
+            request_key = cand_hashes[0][-1]
+        else:
+            request_key = hash(tuple(token_ids)) & _M64
+        order = rank(
+            candidates,
+            n,
+            self.weights,
+            request_key=request_key,
+            temperature=self.temperature,
+            rng=self.rng,
+        )
+        self.metrics.decision_latency.observe(time.perf_counter() - t0)
+        return Decision(n, candidates, cand_hashes, order, cand_states, self.index.block_size)
+
+    def commit(self, d: Decision, i: int, *, kind: str) -> Ticket:
+        """Account the request on candidate ``i`` and predict its blocks there."""
+        c = d.candidates[i]
+        hashes = d.hashes[i]
+        t = self.load.start(c.key, hashes, d.n - c.credited, c.matched_blocks)
+        try:
+            slot = self.index.slot(c.key)
+        except KeyError:
+            slot = -1
+        if slot >= 0:
+            self.predicted.record(hashes, slot)
+        self.metrics.route_decisions.labels(c.key[0], kind).inc()
+        if d.n:
+            self.metrics.matched_ratio.observe(c.matched_blocks / d.n)
+        return t
+
+    def housekeeping(self) -> None:
+        """Periodic: expire accounted routes and predictions, refresh gauges."""
+        self.accounts.expire()
+        self.predicted.expire()
+        self.metrics.predicted_blocks.set(len(self.predicted))
+        self.metrics.accounted_routes.set(len(self.accounts))
