@@ -63,6 +63,7 @@ class RechunkTable:
                 self._add_tier(eb, bit, t)
                 parent = e
                 continue
+            tail: tuple[int, ...]
             if parent is None or (parent not in self.blocks and parent == SGLANG_ROOT_PARENT):
                 pe = None
                 end0, state, tail = 0, index._seed(w, ev.lora_name, ev.lora_id), ()

@@ -9,6 +9,7 @@ function or block size is refused: its router hashes would not match new request
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -58,11 +59,11 @@ _encoder = msgspec.msgpack.Encoder()
 
 
 def write_snapshot(
-    index: PrefixIndex, path: str | os.PathLike[str], seqs: dict[WorkerKey, int] | object
+    index: PrefixIndex, path: str | os.PathLike[str], seqs: Mapping[WorkerKey, int]
 ) -> None:
     from indexer.index import _TIER_BITS, _TIER_MASK
 
-    seq_map: dict = dict(seqs)  # type: ignore[call-overload]
+    seq_map = dict(seqs)
     workers = []
     for key, w in index._workers.items():
         ws = _WorkerSnap(
