@@ -137,7 +137,7 @@ class TierManager:
         """Blocks per tier from memory (cheap; ``listing`` reads the DISK directory)."""
         return {
             "GPU": self.bm.num_cached,
-            "CPU_PINNED": len(self.host.hashes()) if self.host else 0,
+            "CPU_PINNED": self.host.num_ready if self.host else 0,
             "DISK": len(self.disk.entries) if self.disk else 0,
             "EXTERNAL": len(self.external.entries) if self.external else 0,
         }

@@ -108,6 +108,10 @@ class HostPool:
     def hashes(self) -> set[int]:
         return {h for h, e in self.entries.items() if e.ready}
 
+    @property
+    def num_ready(self) -> int:
+        return len(self._lru)
+
     def get(self, h: int) -> HostEntry | None:
         e = self.entries.get(h)
         return e if e is not None and e.ready else None

@@ -69,11 +69,17 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         raise LoaderError(f"unknown dtype {name!r} (known: auto, {', '.join(_DTYPES)})") from None
 
 
+def _build(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    # built on the target device with the default init, which the caller overwrites: the meta
+    # device would save that init but costs seconds of one-off imports on first use
+    with device:
+        model = CausalLM(cfg).to(dtype)
+    model.inv_freq = rope_inv_freq(cfg).to(device)  # .to(dtype) rounded it; RoPE needs float32
+    return model
+
+
 def _random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
-    with torch.device("meta"):
-        model = CausalLM(cfg)
-    model = model.to_empty(device=device).to(dtype)
-    model.inv_freq = rope_inv_freq(cfg).to(device)
+    model = _build(cfg, device, dtype)
     # draw on the CPU generator parameter by parameter: same weights on every device
     return model.init_random(cfg.seed)
 
@@ -112,8 +118,7 @@ def _hf_model(root: Path, device: torch.device, dtype: torch.dtype) -> tuple[Cau
                 state[name] = tensor.to(device=device, dtype=dtype)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    with torch.device("meta"):
-        model = CausalLM(cfg)
+    model = _build(cfg, device, dtype)
     expected = dict(model.state_dict())
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
@@ -131,7 +136,6 @@ def _hf_model(root: Path, device: torch.device, dtype: torch.dtype) -> tuple[Cau
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.inv_freq = rope_inv_freq(cfg).to(device)
     return model, cfg
 
 

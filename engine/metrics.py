@@ -1,0 +1,101 @@
+"""Prometheus metrics of one engine app, on the app's own ``CollectorRegistry``.
+
+Gauges and counters are read from the engine loop's latest :class:`EngineStats` at scrape time
+(vLLM's names, labelled ``model_name``); request latencies are histograms the handlers observe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine.engine import EngineStats
+
+__all__ = ["EngineMetrics"]
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10)
+
+
+class _StatsCollector(Collector):
+    def __init__(self, model: str, stats: Callable[[], EngineStats]) -> None:
+        self.model = model
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats()
+        m = [self.model]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric(m, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric(m, value)
+            return c
+
+        yield gauge("vllm:num_requests_running", "Requests in the running batch.", s.running)
+        yield gauge(
+            "vllm:num_requests_waiting", "Requests waiting (or loading KV).", s.waiting + s.loading
+        )
+        yield gauge(
+            "vllm:kv_cache_usage_perc", "Fraction of GPU KV blocks in use (0-1).", s.kv_usage
+        )
+        yield counter(
+            "vllm:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            s.prefix_queries,
+        )
+        yield counter(
+            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_hits
+        )
+        yield counter("vllm:prompt_tokens", "Prompt tokens received.", s.prompt_tokens)
+        yield counter("vllm:generation_tokens", "Tokens generated.", s.generation_tokens)
+        yield counter("vllm:num_preemptions", "Preemptions by recompute.", s.preemptions)
+        blocks = GaugeMetricFamily(
+            "kvrouter_engine_blocks", "KV blocks held per tier.", labels=["model_name", "tier"]
+        )
+        for tier, n in s.blocks.items():
+            blocks.add_metric([self.model, tier], n)
+        yield blocks
+        events = CounterMetricFamily(
+            "kvrouter_engine_kv_events",
+            "KV events published, by type.",
+            labels=["model_name", "type"],
+        )
+        for kind, n in s.events.items():
+            events.add_metric([self.model, kind], n)
+        yield events
+        yield counter(
+            "kvrouter_engine_tier_errors",
+            "Failed tier reads/writes (cache lost, request served).",
+            s.tier_errors,
+        )
+        yield counter(
+            "kvrouter_engine_offload_skipped",
+            "Copies to a lower tier skipped for lack of slots.",
+            s.offload_skipped,
+        )
+
+
+class EngineMetrics:
+    def __init__(self, model: str, stats: Callable[[], EngineStats]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_StatsCollector(model, stats))
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time to first token (wall clock, from request receipt).",
+            ["model_name"],
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        ).labels(model)
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Request latency (wall clock).",
+            ["model_name"],
+            registry=self.registry,
+        ).labels(model)

@@ -1,0 +1,392 @@
+"""The engine's HTTP server: OpenAI completions/chat, tokenize, metrics, cache control.
+
+``create_app(settings)`` builds everything; the lifespan owns the engine core, its loop thread,
+the ZMQ publisher and the metrics registry (``app.state.kv``). No module-level state. Errors are
+``{"error": {"message", "type"}}`` like the router's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.config import ServerSettings
+from engine.engine import InvalidRequestError, LLMEngine, RequestOutput
+from engine.metrics import EngineMetrics
+from engine.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    StopChecker,
+    TokenizeRequest,
+    chat_chunk,
+    chat_response,
+    completion_chunk,
+    completion_response,
+    decode_body,
+    error_body,
+    new_id,
+    usage,
+)
+from engine.publisher import EventPublisher
+from engine.runner.base import SamplingParams
+from engine.sequence import Request as EngineRequest
+from engine.tokenizer import ChatTemplateError, Tokenizer, load_tokenizer
+
+__all__ = ["ApiError", "EngineState", "create_app"]
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type_
+
+
+@dataclass
+class EngineState:
+    settings: ServerSettings
+    engine: AsyncEngine
+    tokenizer: Tokenizer
+    metrics: EngineMetrics
+    publisher: EventPublisher | None
+    model: str
+
+    @property
+    def events_endpoint(self) -> str | None:
+        return self.publisher.endpoint if self.publisher else None
+
+    @property
+    def replay_endpoint(self) -> str | None:
+        return self.publisher.replay_endpoint if self.publisher else None
+
+
+def create_app(
+    settings: ServerSettings, *, core_factory: Callable[[], LLMEngine] | None = None
+) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        cfg = settings.engine
+        core = await asyncio.to_thread(core_factory or (lambda: LLMEngine(cfg)))
+        publisher = None
+        try:
+            if settings.events:
+                publisher = EventPublisher(
+                    settings.events,
+                    settings.replay,
+                    topic=settings.topic,
+                    dp_rank=settings.dp_rank,
+                    buffer_size=settings.replay_buffer,
+                )
+            tokenizer = load_tokenizer(cfg.tokenizer or core.runner.tokenizer_path)
+            engine = AsyncEngine(core, publisher)
+            model = cfg.model_name
+            app.state.kv = EngineState(
+                settings,
+                engine,
+                tokenizer,
+                EngineMetrics(model, lambda: engine.stats),
+                publisher,
+                model,
+            )
+            engine.start()
+        except BaseException:
+            if publisher is not None:
+                publisher.close()
+            core.close()
+            raise
+        try:
+            yield
+        finally:
+            await engine.stop()
+            if publisher is not None:
+                publisher.close()
+            await asyncio.to_thread(core.close)
+
+    app = FastAPI(title="kvrouter engine", lifespan=lifespan)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> Response:
+        return _error(exc.status, exc.message, exc.type)
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(request: Request, exc: EngineDeadError) -> Response:
+        return _error(503, str(exc), "service_unavailable")
+
+    @app.exception_handler(404)
+    async def _not_found(request: Request, exc: Exception) -> Response:
+        return _error(404, f"no route {request.method} {request.url.path}", "not_found_error")
+
+    @app.exception_handler(405)
+    async def _not_allowed(request: Request, exc: Exception) -> Response:
+        return _error(405, f"method {request.method} not allowed here", "invalid_request_error")
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        st = _st(request)
+        if not st.engine.alive:
+            return _error(503, f"engine loop stopped: {st.engine.error}", "service_unavailable")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        st = _st(request)
+        card = {
+            "id": st.model,
+            "object": "model",
+            "created": 0,
+            "owned_by": "kvrouter",
+            "root": st.model,
+            "max_model_len": st.settings.engine.model_len,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        return Response(
+            generate_latest(_st(request).metrics.registry), media_type=CONTENT_TYPE_LATEST
+        )
+
+    @app.post("/reset_prefix_cache")
+    async def reset(request: Request) -> Response:
+        await _st(request).engine.call(lambda core: core.reset_prefix_cache())
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/debug/blocks")
+    async def blocks(request: Request) -> Response:
+        listing = await _st(request).engine.call(lambda core: core.block_listing())
+        body = {tier: sorted(f"{h:016x}" for h in hs) for tier, hs in listing.items()}
+        return JSONResponse({"block_size": _st(request).settings.engine.block_size, "tiers": body})
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        st = _st(request)
+        body = _decode(await request.body(), TokenizeRequest)
+        _check_model(st, body.model)
+        if body.messages is not None:
+            ids = _chat_ids(st, body.messages)
+        elif body.prompt is not None:
+            ids = st.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            raise ApiError(400, "give prompt or messages")
+        return JSONResponse(
+            {"count": len(ids), "max_model_len": st.settings.engine.model_len, "tokens": ids}
+        )
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        st = _st(request)
+        body = _decode(await request.body(), CompletionRequest)
+        _check_model(st, body.model)
+        prompt = body.prompt
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = st.tokenizer.encode(prompt)
+        elif prompt and all(type(t) is int for t in prompt):
+            ids = [int(t) for t in prompt]  # type: ignore[arg-type]
+        else:
+            raise ApiError(400, "batched prompts are not supported: send one prompt per request")
+        return await _serve(request, st, body, ids, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        st = _st(request)
+        body = _decode(await request.body(), ChatRequest)
+        _check_model(st, body.model)
+        if not body.messages:
+            raise ApiError(400, "messages must not be empty")
+        if body.max_completion_tokens is not None and body.max_tokens is None:
+            body.max_tokens = body.max_completion_tokens
+        return await _serve(request, st, body, _chat_ids(st, body.messages), chat=True)
+
+    return app
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+
+def _st(request: Request) -> EngineState:
+    return request.app.state.kv  # type: ignore[no-any-return]
+
+
+def _error(status: int, message: str, type_: str) -> Response:
+    return Response(error_body(message, type_), status_code=status, media_type="application/json")
+
+
+def _decode(raw: bytes, kind: type[Any]) -> Any:
+    try:
+        return decode_body(raw, kind)
+    except msgspec.ValidationError as exc:
+        raise ApiError(400, f"invalid request: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}") from exc
+
+
+def _check_model(st: EngineState, model: str | None) -> None:
+    if model and model != st.model:
+        raise ApiError(404, f"The model `{model}` does not exist.", "not_found_error")
+
+
+def _chat_ids(st: EngineState, messages: list[dict[str, Any]]) -> list[int]:
+    try:
+        text = st.tokenizer.apply_chat_template(messages)
+    except ChatTemplateError as exc:
+        raise ApiError(400, str(exc)) from exc
+    return st.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _engine_request(
+    st: EngineState, body: CompletionRequest | ChatRequest, ids: list[int]
+) -> EngineRequest:
+    if body.n != 1:
+        raise ApiError(400, "only n=1 is supported")
+    limit = st.settings.engine.model_len
+    max_tokens = body.max_tokens if body.max_tokens is not None else max(1, limit - len(ids))
+    temperature = 1.0 if body.temperature is None else body.temperature
+    top_p = 1.0 if body.top_p is None else body.top_p
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ApiError(400, "temperature must be >= 0 and top_p in (0, 1]")
+    return EngineRequest(
+        request_id=new_id("cmpl" if isinstance(body, CompletionRequest) else "chatcmpl"),
+        prompt_token_ids=ids,
+        max_tokens=max_tokens,
+        sampling=SamplingParams(temperature=temperature, top_p=top_p, seed=body.seed),
+        ignore_eos=body.ignore_eos,
+    )
+
+
+async def _serve(
+    request: Request,
+    st: EngineState,
+    body: CompletionRequest | ChatRequest,
+    ids: list[int],
+    *,
+    chat: bool,
+) -> Response:
+    req = _engine_request(st, body, ids)
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    start = time.monotonic()
+    outputs = st.engine.generate(req)
+    try:
+        first = await outputs.__anext__()  # errors (400 too long) surface before any byte is sent
+    except InvalidRequestError as exc:
+        raise ApiError(400, str(exc)) from exc
+    st.metrics.ttft.observe(time.monotonic() - start)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        gen = _stream(st, req.request_id, first, outputs, stops, chat, include_usage, start)
+        return StreamingResponse(gen, media_type="text/event-stream")
+    return await _until_done(request, st, req.request_id, first, outputs, stops, chat, start)
+
+
+async def _collect_text(
+    st: EngineState, first: RequestOutput, outputs: AsyncIterator[RequestOutput], stop: StopChecker
+) -> AsyncIterator[tuple[str, RequestOutput]]:
+    detok = st.tokenizer.detokenizer()
+    out = first
+    while True:
+        delta = stop.feed(detok.feed(out.new_token_ids))
+        if out.finished and not stop.stopped:
+            delta += stop.feed(detok.flush()) + stop.flush()
+        yield delta, out
+        if out.finished or stop.stopped:
+            return
+        out = await outputs.__anext__()
+
+
+async def _until_done(
+    request: Request,
+    st: EngineState,
+    rid: str,
+    first: RequestOutput,
+    outputs: AsyncIterator[RequestOutput],
+    stops: list[str],
+    chat: bool,
+    start: float,
+) -> Response:
+    stop = StopChecker(stops)
+
+    async def consume() -> RequestOutput:
+        last = first
+        async for _, out in _collect_text(st, first, outputs, stop):
+            last = out
+        return last
+
+    task = asyncio.ensure_future(consume())
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.5)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+    finally:
+        if not task.done():
+            task.cancel()
+        await _close(outputs)
+    try:
+        last = task.result()
+    except asyncio.CancelledError:
+        return _error(499, "client disconnected", "client_closed_request")
+    finish = "stop" if stop.stopped else last.finish_reason
+    use = usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
+    st.metrics.e2e.observe(time.monotonic() - start)
+    build = chat_response if chat else completion_response
+    return JSONResponse(build(rid, st.model, stop.text, finish, use))
+
+
+async def _stream(
+    st: EngineState,
+    rid: str,
+    first: RequestOutput,
+    outputs: AsyncIterator[RequestOutput],
+    stops: list[str],
+    chat: bool,
+    include_usage: bool,
+    start: float,
+) -> AsyncIterator[bytes]:
+    stop = StopChecker(stops)
+    last = first
+    try:
+        if chat:
+            yield _sse(chat_chunk(rid, st.model, {"role": "assistant", "content": ""}, None))
+        async for delta, last in _collect_text(st, first, outputs, stop):
+            done = last.finished or stop.stopped
+            finish = ("stop" if stop.stopped else last.finish_reason) if done else None
+            if not delta and not done:
+                continue
+            if chat:
+                yield _sse(chat_chunk(rid, st.model, {"content": delta} if delta else {}, finish))
+            else:
+                yield _sse(completion_chunk(rid, st.model, delta, finish))
+        if include_usage:
+            use = usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
+            chunk = (
+                chat_chunk(rid, st.model, None, None, use)
+                if chat
+                else completion_chunk(rid, st.model, None, None, use)
+            )
+            yield _sse(chunk)
+        yield b"data: [DONE]\n\n"
+        st.metrics.e2e.observe(time.monotonic() - start)
+    finally:
+        # client gone (the response task is cancelled) or stop string: abort the sequence
+        await _close(outputs)
+
+
+async def _close(outputs: AsyncIterator[RequestOutput]) -> None:
+    aclose = getattr(outputs, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
