@@ -1,0 +1,47 @@
+"""The ``kvrouter`` command: ``serve`` (the router), ``engine`` (the bundled engine), ``up`` (both).
+
+Imports are lazy: ``kvrouter serve`` never loads the engine, ``kvrouter engine`` never loads the
+router.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from kvrouter import __version__
+
+__all__ = ["main"]
+
+USAGE = """usage: kvrouter <command> [options]
+
+commands:
+  serve    run the router            (kvrouter serve --help)
+  engine   run a bundled engine      (kvrouter engine --help)
+  up       run a router and N engines on this machine (kvrouter up --help)
+"""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(USAGE, end="")
+        return 0 if args else 2
+    if args[0] in ("-V", "--version", "version"):
+        print(f"kvrouter {__version__}")
+        return 0
+    cmd, rest = args[0], args[1:]
+    if cmd == "serve":
+        from router.cli import main as serve_main
+
+        return serve_main(rest)
+    if cmd == "engine":
+        from engine.cli import main as engine_main
+
+        return engine_main(rest)
+    if cmd == "up":
+        from kvrouter.up import main as up_main
+
+        return up_main(rest)
+    print(f"kvrouter: unknown command {cmd!r}\n\n{USAGE}", end="", file=sys.stderr)
+    return 2
