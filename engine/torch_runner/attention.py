@@ -18,7 +18,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["AttentionMetadata", "SeqSpan", "build_metadata", "paged_attention", "store_kv"]
+__all__ = [
+    "AttentionMetadata",
+    "SeqSpan",
+    "build_metadata",
+    "masked_sdpa",
+    "paged_attention",
+    "store_kv",
+]
 
 
 @dataclass(frozen=True)
@@ -134,6 +141,26 @@ def _offset_causal_mask(q_len: int, ctx: int, device: torch.device) -> torch.Ten
     return torch.arange(ctx, device=device)[None, :] <= rows
 
 
+def masked_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    *,
+    expand_kv: bool = False,
+) -> torch.Tensor:
+    """SDPA over ``[B, heads, n, hd]`` queries and ``[B, kv_heads, ctx, hd]`` keys/values, GQA
+    either native or (``expand_kv``) by repeating each KV head for its query-head group."""
+    groups = q.shape[1] // k.shape[1]
+    if expand_kv and groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
+
+
 def paged_attention(
     q: torch.Tensor,
     k_new: torch.Tensor,
@@ -163,9 +190,10 @@ def paged_attention(
         else:
             ki, vi = _gather(pool, meta.block_tables[i], ctx)
             mask = _offset_causal_mask(n, ctx, q.device) if n > 1 else None
-            o = F.scaled_dot_product_attention(
-                qi, ki.to(q.dtype), vi.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=gqa
-            )
+            # CUDA's masked (memory-efficient) kernel takes no GQA: without expanding the KV heads
+            # SDPA would fall back to math and materialize [heads, n, ctx] scores
+            expand = gqa and mask is not None and q.is_cuda
+            o = masked_sdpa(qi, ki.to(q.dtype), vi.to(q.dtype), mask, scale, expand_kv=expand)
         out[s : s + n] = o[0].transpose(0, 1)
     if meta.decode_idx:
         assert meta.decode_tables is not None and meta.decode_tokens is not None

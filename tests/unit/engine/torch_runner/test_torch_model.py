@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch_helpers import BLOCK, prompt
 
-from engine.torch_runner.attention import SeqSpan, build_metadata
+from engine.torch_runner.attention import SeqSpan, _offset_causal_mask, build_metadata, masked_sdpa
 from engine.torch_runner.kv_pool import KVPool
 from engine.torch_runner.loader import load_model
 
@@ -101,3 +101,17 @@ def test_slot_mapping_and_decode_plan():
     assert meta.last_token_idx.tolist() == [0, 3, 6]
     with pytest.raises(ValueError, match="block table"):
         build_metadata([SeqSpan(3, 2, [1])], BLOCK, "cpu")
+
+
+def test_expanded_kv_heads_match_native_gqa():
+    # the CUDA path repeats KV heads for the masked kernel; it must equal SDPA's own GQA
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 6, 5, 16, generator=gen)
+    k, v = torch.randn(2, 1, 2, 12, 16, generator=gen)
+    mask = _offset_causal_mask(5, 12, torch.device("cpu"))
+    native = masked_sdpa(q, k, v, mask, 0.25)
+    expanded = masked_sdpa(q, k, v, mask, 0.25, expand_kv=True)
+    torch.testing.assert_close(expanded, native, atol=1e-6, rtol=0)
+    # query head 5 belongs to KV head 1 (groups of 3)
+    alone = masked_sdpa(q[:, 5:6], k[:, 1:2], v[:, 1:2], mask, 0.25)
+    torch.testing.assert_close(native[:, 5:6], alone, atol=1e-6, rtol=0)
