@@ -1,0 +1,87 @@
+"""Fixtures for router integration tests: a ZMQ context, fake workers and a router app, all real
+servers on 127.0.0.1 (port 0) in the test's event loop."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
+
+import httpx
+import pytest
+import zmq.asyncio
+from router_fakeworker import FakeWorker, ServerHandle, wait_for
+
+from router.app import create_app
+from router.service import RouterState
+from router.settings import load_settings
+
+
+class RouterHandle:
+    def __init__(self, server: ServerHandle, app: Any) -> None:
+        self.server = server
+        self.app = app
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    @property
+    def state(self) -> RouterState:
+        return self.app.state.kv  # type: ignore[no-any-return]
+
+    def matched(self, tokens: list[int], worker: str, rank: int = 0) -> int:
+        """Blocks of ``tokens`` the router's index holds on ``worker`` (read on the loop)."""
+        index = self.state.index
+        return index.match(index.request_hashes(tokens)).workers[(worker, rank)].matched_blocks
+
+    async def wait_ready(self, timeout: float = 30.0) -> None:
+        await wait_for(lambda: self.state.ready()[0], timeout, "router ready")
+
+
+@pytest.fixture
+async def zctx() -> AsyncIterator[zmq.asyncio.Context]:
+    ctx = zmq.asyncio.Context()
+    yield ctx
+    ctx.term()
+
+
+@pytest.fixture
+async def workers(zctx: zmq.asyncio.Context) -> AsyncIterator[Callable[..., Awaitable[FakeWorker]]]:
+    made: list[FakeWorker] = []
+
+    async def make(worker_id: str, **kw: Any) -> FakeWorker:
+        w = await FakeWorker(worker_id, zctx, **kw).start()
+        made.append(w)
+        return w
+
+    yield make
+    for w in made:
+        await w.aclose()
+
+
+@pytest.fixture
+async def router() -> AsyncIterator[Callable[..., Awaitable[RouterHandle]]]:
+    made: list[RouterHandle] = []
+
+    async def make(
+        fake_workers: Sequence[FakeWorker] = (), *, ready: bool = True, **overrides: Any
+    ) -> RouterHandle:
+        overrides.setdefault("health", {"interval_s": 0.2, "timeout_s": 2.0})
+        overrides.setdefault("workers", [w.spec() for w in fake_workers])
+        settings = load_settings(environ={}, overrides=overrides)
+        app = create_app(settings)
+        h = RouterHandle(await ServerHandle(app).start(), app)
+        made.append(h)
+        if ready:
+            await h.wait_ready()
+        return h
+
+    yield make
+    for h in made:
+        await h.server.stop()
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(timeout=30.0, trust_env=False) as c:
+        yield c
