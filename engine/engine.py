@@ -17,7 +17,8 @@ from engine.offload import TierManager
 from engine.runner import ModelRunner, RunnerConfig, ScheduledSeq, make_runner
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Request, Sequence, SequenceStatus
-from engine.tiers import DiskTier, ExternalTier, HostPool, open_external
+from engine.stores import open_external
+from engine.tiers import DiskTier, ExternalTier, HostPool
 from indexer.events import Event
 
 __all__ = ["EngineStats", "InvalidRequestError", "LLMEngine", "RequestOutput"]
@@ -198,8 +199,14 @@ class LLMEngine:
         self._poll()
         return outputs
 
+    def wait_transfers(self) -> None:
+        """Block until every pending copy completed and its effects were applied."""
+        self.tiers.poll(wait=True)
+        self._poll()
+
     def _poll(self) -> None:
-        for job in self.tiers.poll():
+        self.tiers.poll()
+        for job in self.tiers.take_loaded():
             self.scheduler.on_loaded(job)
 
     def _output(self, seq: Sequence, new: list[int]) -> RequestOutput:
@@ -230,7 +237,8 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block on every tier and publish ``AllBlocksCleared``."""
-        for job in self.tiers.clear():
+        self.tiers.clear()
+        for job in self.tiers.take_loaded():
             self.scheduler.on_loaded(job)
         self.bm.reset()
         # Running sequences keep their KV privately; their later blocks are re-registered only

@@ -22,62 +22,19 @@ Tier errors are logged and counted; they cost cache hits, never requests.
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.block_manager import Block, BlockManager
 from engine.kv_events import EventLog
 from engine.runner.base import DoneTransfer, ModelRunner, Transfer
 from engine.tiers import BlockMeta, DiskTier, ExternalTier, HostEntry, HostPool, TierError
+from engine.transfers import Delayed, LoadItem, LoadJob
 
 __all__ = ["Delayed", "LoadItem", "LoadJob", "TierManager"]
 
 log = logging.getLogger("engine.offload")
-
-
-class Delayed(Transfer):
-    """A runner copy preceded by modeled DISK/EXTERNAL read time (sim only; 0 for real runners)."""
-
-    def __init__(self, inner: Transfer, extra_s: float, speedup: float) -> None:
-        self.inner = inner
-        self.extra_s = extra_s
-        self._speedup = speedup
-        self._start = time.monotonic()
-
-    @property
-    def elapsed_s(self) -> float:  # type: ignore[override]
-        return self.extra_s + self.inner.elapsed_s
-
-    def done(self) -> bool:
-        due = self._start + self.elapsed_s / self._speedup
-        return self.inner.done() and time.monotonic() >= due
-
-    def wait(self) -> None:
-        self.inner.wait()
-        delay = self._start + self.elapsed_s / self._speedup - time.monotonic()
-        if delay > 0:
-            time.sleep(delay)
-
-
-@dataclass
-class LoadItem:
-    meta: BlockMeta
-    tier: str
-    slot: int  # host slot read by the swap-in (tier slot or staging slot)
-    gpu_block: int = -1
-
-
-@dataclass
-class LoadJob:
-    seq_id: int
-    items: list[LoadItem]
-    transfers: list[Transfer] = field(default_factory=list)
-
-    @property
-    def elapsed_s(self) -> float:
-        return max((t.elapsed_s for t in self.transfers), default=0.0)
 
 
 @dataclass
@@ -109,6 +66,9 @@ class TierManager:
         self.mode = mode
         self.speedup = speedup
         self._ops: deque[_StoreOp | LoadJob] = deque()
+        self.loaded: list[LoadJob] = []
+        #: blocks loaded back to GPU, by source tier
+        self.loaded_blocks: dict[str, int] = {"CPU_PINNED": 0, "DISK": 0, "EXTERNAL": 0}
         self.errors = 0
         self.skipped = 0  # copies not made (no free slot)
         if self.enabled:
@@ -358,6 +318,7 @@ class TierManager:
     def _finish_load(self, job: LoadJob) -> None:
         assert self.host is not None
         for it in job.items:
+            self.loaded_blocks[it.tier] += 1
             if it.tier == "CPU_PINNED":
                 e = self.host.entries.get(it.meta.hash)
                 if e is not None:
@@ -369,9 +330,9 @@ class TierManager:
 
     # ------------------------------------------------------------------ completion
 
-    def poll(self, *, wait: bool = False) -> list[LoadJob]:
-        """Complete finished copies in issue order; return the load jobs that completed."""
-        done: list[LoadJob] = []
+    def poll(self, *, wait: bool = False) -> None:
+        """Complete finished copies in issue order (all of them with ``wait``). Completed loads
+        wait in :attr:`loaded` until the engine takes them (:meth:`take_loaded`)."""
         while self._ops:
             op = self._ops[0]
             transfers = op.transfers if isinstance(op, LoadJob) else [op.transfer]
@@ -383,15 +344,18 @@ class TierManager:
             self._ops.popleft()
             if isinstance(op, LoadJob):
                 self._finish_load(op)
-                done.append(op)
+                self.loaded.append(op)
             else:
                 self._finish_store(op)
-        return done
 
-    def clear(self) -> list[LoadJob]:
+    def take_loaded(self) -> list[LoadJob]:
+        out, self.loaded = self.loaded, []
+        return out
+
+    def clear(self) -> None:
         """For reset: finish every copy, then drop every lower-tier block (no events: the caller
         publishes ``AllBlocksCleared``)."""
-        done = self.poll(wait=True)
+        self.poll(wait=True)
         if self.host is not None:
             self.host.clear()
         if self.disk is not None:
@@ -401,7 +365,6 @@ class TierManager:
                 self._error("DISK clear", exc)
         if self.external is not None:
             self.external.clear()
-        return done
 
     def _error(self, what: str, exc: Exception) -> None:
         self.errors += 1

@@ -15,34 +15,28 @@ load verifies it got the block it asked for (a corrupt or colliding value is dro
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
-import tempfile
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+
+from engine.stores import ExternalStore, TierError, atomic_write
 
 __all__ = [
     "BlockMeta",
-    "DirStore",
     "DiskTier",
     "ExternalStore",
     "ExternalTier",
     "HostEntry",
     "HostPool",
-    "RedisStore",
     "TierError",
     "decode_block",
     "encode_block",
-    "open_external",
 ]
-
-
-class TierError(RuntimeError):
-    """A lower tier failed (I/O error, unreachable Redis, bad stored value)."""
 
 
 @dataclass(frozen=True)
@@ -197,7 +191,7 @@ class DiskTier:
         return next(iter(self.entries.values()))
 
     def write(self, meta: BlockMeta, kv: bytes) -> None:
-        _atomic_write(self.path(meta.hash), encode_block(meta, kv))
+        atomic_write(self.path(meta.hash), encode_block(meta, kv))
         self.entries[meta.hash] = meta
 
     def read(self, h: int) -> bytes:
@@ -227,105 +221,6 @@ class DiskTier:
 
 
 # ---------------------------------------------------------------------------------- EXTERNAL
-
-
-class ExternalStore(Protocol):
-    def get(self, key: str) -> bytes | None: ...
-    def put(self, key: str, data: bytes) -> None: ...
-    def exists(self, keys: Sequence[str]) -> list[bool]: ...
-    def delete(self, key: str) -> None: ...
-    def close(self) -> None: ...
-
-
-class DirStore:
-    """A directory several engines share (one file per key, written by atomic rename)."""
-
-    def __init__(self, directory: str | os.PathLike[str]) -> None:
-        self.dir = Path(directory)
-        try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise TierError(f"cannot use external directory {self.dir}: {exc}") from exc
-
-    def get(self, key: str) -> bytes | None:
-        try:
-            return (self.dir / key).read_bytes()
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            raise TierError(f"external read {key}: {exc}") from exc
-
-    def put(self, key: str, data: bytes) -> None:
-        _atomic_write(self.dir / key, data)
-
-    def exists(self, keys: Sequence[str]) -> list[bool]:
-        return [(self.dir / k).exists() for k in keys]
-
-    def delete(self, key: str) -> None:
-        try:
-            (self.dir / key).unlink()
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            raise TierError(f"external delete {key}: {exc}") from exc
-
-    def close(self) -> None:
-        return None
-
-
-class RedisStore:
-    """A Redis server (``redis://HOST:PORT/DB``) holding one value per block."""
-
-    def __init__(self, url: str, *, timeout: float = 5.0) -> None:
-        import redis
-
-        self._errors: tuple[type[Exception], ...] = (redis.RedisError, OSError)
-        try:
-            self._r = redis.Redis.from_url(
-                url, socket_timeout=timeout, socket_connect_timeout=timeout
-            )
-            self._r.ping()
-        except self._errors as exc:
-            raise TierError(f"cannot reach the external Redis store {url}: {exc}") from exc
-
-    def _call(self, what: str, fn, *args):  # type: ignore[no-untyped-def]
-        try:
-            return fn(*args)
-        except self._errors as exc:
-            raise TierError(f"external {what}: {exc}") from exc
-
-    def get(self, key: str) -> bytes | None:
-        data = self._call("get", self._r.get, key)
-        return bytes(data) if data is not None else None
-
-    def put(self, key: str, data: bytes) -> None:
-        self._call("set", self._r.set, key, data)
-
-    def exists(self, keys: Sequence[str]) -> list[bool]:
-        if not keys:
-            return []
-        pipe = self._r.pipeline(transaction=False)
-        for k in keys:
-            pipe.exists(k)
-        return [bool(x) for x in self._call("exists", pipe.execute)]
-
-    def delete(self, key: str) -> None:
-        self._call("delete", self._r.delete, key)
-
-    def close(self) -> None:
-        self._r.close()
-
-
-def open_external(url: str | None, directory: str | None) -> ExternalStore | None:
-    if url and directory:
-        raise TierError("give --external or --external-dir, not both")
-    if url:
-        if not url.startswith(("redis://", "rediss://", "unix://")):
-            raise TierError(f"--external must be a redis:// URL, got {url!r}")
-        return RedisStore(url)
-    if directory:
-        return DirStore(directory)
-    return None
 
 
 class ExternalTier:
@@ -382,20 +277,4 @@ class ExternalTier:
 
 
 def _slug(fingerprint: str) -> str:
-    import hashlib
-
     return hashlib.blake2b(fingerprint.encode(), digest_size=6).hexdigest()
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
-    except OSError as exc:
-        raise TierError(f"cannot write {path}: {exc}") from exc
