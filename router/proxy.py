@@ -100,7 +100,17 @@ def cached_tokens_of(payload: bytes) -> int | None:
 class _Flight:
     """One attempt on one worker: its accounting ticket and metrics, closed exactly once."""
 
-    __slots__ = ("cached", "cand", "endpoint", "state", "t0", "ticket", "usage_tail", "worker")
+    __slots__ = (
+        "cached",
+        "cand",
+        "endpoint",
+        "predicted_tokens",
+        "state",
+        "t0",
+        "ticket",
+        "usage_tail",
+        "worker",
+    )
 
     def __init__(self, state: RouterState, d: Decision, i: int, endpoint: str, t0: float) -> None:
         self.state = state
@@ -109,6 +119,10 @@ class _Flight:
         self.endpoint = endpoint
         self.t0 = t0
         self.ticket = state.commit(d, i, kind="proxy")
+        # engines (vLLM, the bundled one) always compute at least the last prompt token, so a
+        # prompt of exactly k blocks reuses at most k - 1 of them
+        bs = d.block_size
+        self.predicted_tokens = min(self.cand.matched_blocks, max(0, d.tokens - 1) // bs) * bs
         self.usage_tail = b""
         self.cached: int | None = None
         state.metrics.inflight.labels(self.worker).inc()
@@ -141,8 +155,7 @@ class _Flight:
         st.metrics.inflight.labels(self.worker).dec()
         st.metrics.proxied.labels(self.worker, self.endpoint, status).inc()
         if self.cached is not None:
-            predicted = self.cand.matched_blocks * st.index.block_size
-            st.metrics.observe_cached(self.worker, predicted, self.cached)
+            st.metrics.observe_cached(self.worker, self.predicted_tokens, self.cached)
 
 
 class ProxyStream(Response):

@@ -41,7 +41,7 @@ _M64 = (1 << 64) - 1
 class Decision:
     """One placement: every candidate rank scored, ``order`` = healthy ones best first."""
 
-    __slots__ = ("block_size", "candidates", "hashes", "n", "order", "states")
+    __slots__ = ("block_size", "candidates", "hashes", "n", "order", "states", "tokens")
 
     def __init__(
         self,
@@ -51,8 +51,10 @@ class Decision:
         order: list[int],
         states: list[WorkerState],
         block_size: int,
+        tokens: int,
     ) -> None:
         self.n = n
+        self.tokens = tokens  # prompt length
         self.candidates = candidates
         self.hashes = hashes  # per candidate (one list per index namespace, shared)
         self.order = order
@@ -213,7 +215,9 @@ class RouterState:
             rng=self.rng,
         )
         self.metrics.decision_latency.observe(time.perf_counter() - t0)
-        return Decision(n, candidates, cand_hashes, order, cand_states, self.index.block_size)
+        return Decision(
+            n, candidates, cand_hashes, order, cand_states, self.index.block_size, len(token_ids)
+        )
 
     def commit(self, d: Decision, i: int, *, kind: str) -> Ticket:
         """Account the request on candidate ``i`` and predict its blocks there."""

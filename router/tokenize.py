@@ -36,8 +36,8 @@ __all__ = [
     "render_byte_chat",
 ]
 
-#: Chat rendering of the byte tokenizer, shared with the bundled engine's default:
-#: ``<|role|>\ncontent\n`` per message, then ``<|assistant|>\n`` (the generation prompt).
+#: Chat rendering of the byte tokenizer — the engine ↔ router contract of ``engine/tokenizer.py``
+#: (and spec BYTE_TOKENIZER.md): ``<|role|>\ncontent\n`` per message, then ``<|assistant|>\n``.
 BYTE_CHAT_TEMPLATE = "<|{role}|>\n{content}\n"
 BYTE_GENERATION_PROMPT = "<|assistant|>\n"
 
@@ -92,7 +92,10 @@ class ByteTokenizer:
 
     @staticmethod
     def encode_sync(text: str) -> list[int]:
-        return list(text.encode("utf-8", "surrogatepass"))
+        try:
+            return list(text.encode("utf-8"))
+        except UnicodeEncodeError as e:  # a lone surrogate escaped in the JSON
+            raise TokenizeError(f"prompt is not valid Unicode text: {e.reason}") from e
 
     async def encode(self, prompt: str, model: str | None = None) -> list[int]:
         if len(prompt) > _BYTE_OFFLOOP_CHARS:
@@ -153,8 +156,8 @@ class HFTokenizer:
         return list(self._tok.encode(prompt, add_special_tokens=special).ids)
 
     def render_chat(self, messages: list[dict[str, Any]]) -> str:
-        if self._template is None:
-            raise TokenizeError("this tokenizer has no chat_template: send prompt or token_ids")
+        if self._template is None:  # as the bundled engine does: the byte chat format
+            return render_byte_chat(messages)
         try:
             return self._template.render(
                 messages=messages,

@@ -1,0 +1,83 @@
+"""Predicted blocks (TTL overlay) and load accounting, with controlled clocks."""
+
+from __future__ import annotations
+
+from router.load import LoadTracker, RouteAccounts
+from router.predict import PredictedBlocks
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_predictions_expire_by_ttl_and_newer_ones_survive():
+    clock = Clock()
+    p = PredictedBlocks(2.0, clock=clock)
+    assert p.overlay() is None
+    p.record([1, 2, 3], slot=0)
+    p.record([1, 2], slot=3)
+    assert p.overlay() == {1: 0b1001, 2: 0b1001, 3: 0b1}
+    clock.t += 1.5
+    p.record([1], slot=0)  # renewed on slot 0
+    clock.t += 1.0
+    p.expire()
+    assert p.overlay() == {1: 0b1}
+    clock.t += 1.5
+    p.expire()
+    assert p.overlay() is None and len(p) == 0
+
+
+def test_prediction_cap_and_slot_drop():
+    p = PredictedBlocks(10.0, max_blocks=4, clock=Clock())
+    p.record([1, 2, 3], slot=0)
+    p.record([4, 5, 6], slot=1)
+    assert len(p) <= 4 and p.expired_early == 1
+    assert p.mask == {4: 2, 5: 2, 6: 2}
+    p.drop_slot(1)
+    assert p.overlay() is None
+    off = PredictedBlocks(0.0)
+    off.record([1], slot=0)
+    assert off.overlay() is None
+
+
+def test_load_accounting_prefill_until_first_token_active_until_finish():
+    t = LoadTracker()
+    key = ("a", 0)
+    x = t.start(key, [1, 2, 3, 4], prefill=3.0, cached_blocks=1)
+    y = t.start(key, [1, 2, 9], prefill=1.0, cached_blocks=2)
+    ld = t.get(key)
+    assert ld is not None
+    assert ld.inflight_prefill == 4.0
+    assert ld.active_blocks == 5 + 2  # distinct blocks {1,2,3,4,9} + one per request
+    assert t.shared(key, [1, 2, 3, 7]) == (3, 2)  # 1-3 active; 2 and 3 still being built by x
+    assert t.shared(("b", 0), [1]) == (0, 0)
+    t.first_token(x)
+    t.first_token(x)  # idempotent
+    assert ld.inflight_prefill == 1.0
+    assert t.shared(key, [1, 2, 3]) == (3, 0)
+    t.finish(x)
+    assert ld.active_blocks == 3 + 1 and t.inflight("a") == 1
+    t.finish(y)
+    t.finish(y)
+    assert t.get(key) is None
+
+
+def test_route_accounts_release_and_expire():
+    clock = Clock()
+    t = LoadTracker()
+    acc = RouteAccounts(t, ttl_s=5.0, max_entries=2, clock=clock)
+    r1 = acc.add(t.start(("a", 0), [1], 1.0, 0))
+    r2 = acc.add(t.start(("a", 0), [2], 1.0, 0))
+    assert len(acc) == 2 and t.inflight("a") == 2
+    assert acc.release(r1) and not acc.release(r1)
+    clock.t += 6
+    acc.expire()
+    assert len(acc) == 0 and acc.expired == 1 and t.get(("a", 0)) is None
+    assert not acc.release(r2)
+    for i in range(3):  # over max_entries: the oldest ends first
+        acc.add(t.start(("a", 0), [i], 1.0, 0))
+    assert len(acc) == 2 and t.inflight("a") == 2
