@@ -109,6 +109,14 @@ class BlockManager:
 
     # ------------------------------------------------------------------ hashing
 
+    def hash_blocks_of(self, token_ids: Seq[int]) -> list[int]:
+        """Engine hashes of the full blocks of ``token_ids`` from the root."""
+        bs, parent, out = self.block_size, self.seed, []
+        for i in range(len(token_ids) // bs):
+            parent = engine_block_hash(parent, token_ids[i * bs : (i + 1) * bs])
+            out.append(parent)
+        return out
+
     def hash_blocks(self, seq: Sequence) -> list[int]:
         """Extend ``seq.block_hashes`` over every full block of its tokens."""
         bs = self.block_size

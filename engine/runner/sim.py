@@ -104,12 +104,18 @@ class SimRunner(ModelRunner):
         self._gpu: list[bytes] = [b""] * self.num_gpu_blocks
         self._host: list[bytes] = [b""] * self.num_host_slots
         self.modeled_block_bytes = int(params["kv_bytes_per_token"] * self.block_size)
+        self._model = config.model
         #: Total modeled compute time of every step so far (seconds, before speedup).
         self.busy_s = 0.0
 
     @property
     def kv_block_bytes(self) -> int:
         return len(_MAGIC) + _DIGEST
+
+    @property
+    def kv_fingerprint(self) -> str:
+        # sim engines labelled with the same --model share EXTERNAL blocks; others never do
+        return f"sim:{self._model}:{self.block_size}"
 
     # ------------------------------------------------------------------ timing model
 
