@@ -208,10 +208,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    from engine.engine import LLMEngine
+    from engine.runner import RunnerError
     from engine.server import create_app
+    from engine.stores import TierError
 
+    try:  # fail before serving: a bad runner option or an unreachable store is a start error
+        core = LLMEngine(settings.engine)
+    except (RunnerError, TierError, ValueError) as exc:
+        print(f"kvrouter engine: {exc}", file=sys.stderr)
+        return 1
     config = uvicorn.Config(
-        create_app(settings),
+        create_app(settings, core_factory=lambda: core),
         host=settings.host,
         port=settings.port,
         log_level=args.log_level,
