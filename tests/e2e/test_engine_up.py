@@ -1,0 +1,125 @@
+"""End to end: ``kvrouter up --workers 2`` as real subprocesses (two sim engines and a router),
+and the official ``openai`` client holding a multi-turn chat through the router: turn 2 lands on
+turn 1's worker and is served from its cache."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BS = 16
+
+pytestmark = pytest.mark.slow
+
+
+def _command() -> list[str]:
+    script = Path(sys.executable).with_name("kvrouter")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "kvrouter"]
+
+
+def _poll(cond: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    log = open(tmp_path / "up.log", "w")  # noqa: SIM115 - closed in the finally below
+    proc = subprocess.Popen(
+        [*_command(), "up", "--workers", "2", "--port", "0", "--speedup", "10"],
+        stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=ROOT,
+        start_new_session=True,  # its own process group: the teardown can reach every child
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        url = None
+        for line in proc.stdout:
+            m = re.search(r"kvrouter up: router (http://\S+)", line)
+            if m:
+                url = m.group(1)
+                break
+        assert url, f"kvrouter up did not start:\n{(tmp_path / 'up.log').read_text()}"
+
+        def ready() -> bool:
+            try:
+                return httpx.get(url + "/ready", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        _poll(ready, 60, "router ready")
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # nothing should be left; make sure
+        except ProcessLookupError:
+            pass
+        if proc.stdout is not None:
+            proc.stdout.close()
+        log.close()
+
+
+def test_multi_turn_chat_stays_on_the_worker_that_holds_its_prefix(
+    fleet: tuple[str, subprocess.Popen[str]],
+) -> None:
+    url, proc = fleet
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    model = client.models.list().data[0].id
+    messages: list[Any] = [
+        {"role": "system", "content": "You are a terse assistant that answers in one line."},
+        {"role": "user", "content": "Summarize why KV-aware routing beats round robin. " * 3},
+    ]
+    raw1 = client.chat.completions.with_raw_response.create(
+        model=model, messages=messages, max_tokens=24, temperature=0
+    )
+    turn1 = raw1.parse()
+    worker = raw1.headers["x-kvrouter-worker"]
+    assert turn1.usage is not None and turn1.choices[0].message.content
+    assert worker in ("engine-0", "engine-1")
+
+    messages += [
+        {"role": "assistant", "content": turn1.choices[0].message.content},
+        {"role": "user", "content": "And what does it cost?"},
+    ]
+    raw2 = client.chat.completions.with_raw_response.create(
+        model=model, messages=messages, max_tokens=8, temperature=0
+    )
+    turn2 = raw2.parse()
+    client.close()
+    assert raw2.headers["x-kvrouter-worker"] == worker
+    assert turn2.usage is not None and turn2.usage.prompt_tokens_details is not None
+    cached = turn2.usage.prompt_tokens_details.cached_tokens
+    # at least every full block of turn 1's prompt is reused on that worker
+    assert cached is not None and cached >= turn1.usage.prompt_tokens // BS * BS > 0
+
+    # Ctrl-C / SIGTERM stops the router and both engines
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+    with pytest.raises(ProcessLookupError):  # signal 0 to the group: raises once it is empty
+        _poll(lambda: os.killpg(proc.pid, 0), 15, "every child gone")
