@@ -1,6 +1,6 @@
-"""End to end: ``kvrouter up --workers 2`` as real subprocesses (two sim engines and a router),
-and the official ``openai`` client holding a multi-turn chat through the router: turn 2 lands on
-turn 1's worker and is served from its cache."""
+"""End to end: ``kvrouter up --workers 2`` as real subprocesses (two sim or two torch engines and
+a router), and the official ``openai`` client holding a multi-turn chat through the router: turn 2
+lands on turn 1's worker and is served from its cache."""
 
 from __future__ import annotations
 
@@ -40,13 +40,19 @@ def _poll(cond: Any, timeout: float, what: str) -> Any:
         time.sleep(0.05)
 
 
-@pytest.fixture
-def fleet(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+# sim, and the torch runner with its default tiny random model on CPU (real KV, same contract)
+RUNNERS = {"sim": ["--speedup", "10"], "torch": ["--runner", "torch", "--gpu-blocks", "512"]}
+
+
+@pytest.fixture(params=sorted(RUNNERS))
+def fleet(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[tuple[str, subprocess.Popen[str]]]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     log = open(tmp_path / "up.log", "w")  # noqa: SIM115 - closed in the finally below
     proc = subprocess.Popen(
-        [*_command(), "up", "--workers", "2", "--port", "0", "--speedup", "10"],
+        [*_command(), "up", "--workers", "2", "--port", "0", *RUNNERS[request.param]],
         stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=ROOT,
         start_new_session=True,  # its own process group: the teardown can reach every child
     )  # fmt: skip
