@@ -112,7 +112,7 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine loop is not running ({self.error})")
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self._post(_Call(fn, fut))
-        return await asyncio.wrap_future(fut)  # type: ignore[no-any-return]
+        return await asyncio.wrap_future(fut)
 
     def _post(self, cmd: _Add | _Abort | _Call) -> None:
         self._inbox.put(cmd)

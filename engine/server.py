@@ -193,7 +193,7 @@ def create_app(
         if isinstance(prompt, str):
             ids = st.tokenizer.encode(prompt)
         elif prompt and all(type(t) is int for t in prompt):
-            ids = [int(t) for t in prompt]  # type: ignore[arg-type]
+            ids = [int(t) for t in prompt]
         else:
             raise ApiError(400, "batched prompts are not supported: send one prompt per request")
         return await _serve(request, st, body, ids, chat=False)
@@ -216,7 +216,8 @@ def create_app(
 
 
 def _st(request: Request) -> EngineState:
-    return request.app.state.kv  # type: ignore[no-any-return]
+    st: EngineState = request.app.state.kv
+    return st
 
 
 def _error(status: int, message: str, type_: str) -> Response:

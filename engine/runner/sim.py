@@ -53,6 +53,8 @@ SIM_DEFAULTS: dict[str, float] = {
     "external_latency_ms": 0.5,
     "token_min": 32.0,
     "token_max": 126.0,
+    # prompt ids the sim accepts (any tokenizer's); it only ever emits [token_min, token_max]
+    "vocab_size": 262144.0,
 }
 
 _MAGIC = b"SIMKV1"
@@ -99,7 +101,7 @@ class SimRunner(ModelRunner):
         if not 0 <= lo <= hi:
             raise RunnerError("token_min/token_max must satisfy 0 <= min <= max")
         self._lo, self._span = lo, hi - lo + 1
-        self.vocab_size = max(256, hi + 1)
+        self.vocab_size = max(256, hi + 1, int(params["vocab_size"]))
         self._rng = random.Random(config.seed)
         self._gpu: list[bytes] = [b""] * self.num_gpu_blocks
         self._host: list[bytes] = [b""] * self.num_host_slots

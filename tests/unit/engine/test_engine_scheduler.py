@@ -107,5 +107,5 @@ def test_requests_the_cache_cannot_hold_are_rejected() -> None:
     with pytest.raises(InvalidRequestError, match="empty"):
         engine.add_request(Request("empty", [], max_tokens=5))
     with pytest.raises(InvalidRequestError, match="vocabulary"):
-        engine.add_request(Request("bad", [1, 100_000], max_tokens=5))
+        engine.add_request(Request("bad", [1, 1 << 40], max_tokens=5))
     assert run(engine, "fits", [65] * (4 * BS - 5), max_tokens=5).num_output_tokens == 5
