@@ -12,8 +12,8 @@ contract, also written down in /work/spec/BYTE_TOKENIZER.md):
       for m in messages:  "<|" + m.role + "|>\\n" + m.content + "\\n"
       then:               "<|assistant|>\\n"
 
-  ``content`` is a string, or a list of parts whose ``{"type": "text", "text": ...}`` texts are
-  concatenated with no separator; null content is "". Example: ``[{"role": "user", "content":
+  ``content`` is a string, or a list of parts whose ``{"type": "text", "text": ...}`` texts (and
+  bare strings) are concatenated with no separator; null content is "". Example: ``[{"role": "user", "content":
   "Hi"}]`` → ``"<|user|>\\nHi\\n<|assistant|>\\n"``.
 
 An HF ``tokenizer.json`` (with ``chat_template`` from a ``tokenizer_config.json`` beside it when
@@ -54,9 +54,12 @@ def message_text(content: Any) -> str:
     if isinstance(content, list):
         parts = []
         for part in content:
-            if not isinstance(part, Mapping) or part.get("type") != "text":
+            if isinstance(part, str):  # lenient, as the router's byte tokenizer is
+                parts.append(part)
+            elif isinstance(part, Mapping) and part.get("type") == "text":
+                parts.append(str(part.get("text", "")))
+            else:
                 raise ChatTemplateError("only text content parts are supported")
-            parts.append(str(part.get("text", "")))
         return "".join(parts)
     raise ChatTemplateError("message content must be a string or a list of text parts")
 
