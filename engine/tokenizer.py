@@ -13,8 +13,8 @@ contract, also written down in /work/spec/BYTE_TOKENIZER.md):
       then:               "<|assistant|>\\n"
 
   ``content`` is a string, or a list of parts whose ``{"type": "text", "text": ...}`` texts (and
-  bare strings) are concatenated with no separator; null content is "". Example: ``[{"role": "user", "content":
-  "Hi"}]`` → ``"<|user|>\\nHi\\n<|assistant|>\\n"``.
+  bare strings) are concatenated with no separator; null content is "". Example:
+  ``[{"role": "user", "content": "Hi"}]`` → ``"<|user|>\\nHi\\n<|assistant|>\\n"``.
 
 An HF ``tokenizer.json`` (with ``chat_template`` from a ``tokenizer_config.json`` beside it when
 present, else the template above) is used when configured or shipped with the runner's model.
