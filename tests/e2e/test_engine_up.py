@@ -129,3 +129,37 @@ def test_multi_turn_chat_stays_on_the_worker_that_holds_its_prefix(
     assert proc.wait(30) == 0
     with pytest.raises(ProcessLookupError):  # signal 0 to the group: raises once it is empty
         _poll(lambda: os.killpg(proc.pid, 0), 15, "every child gone")
+
+
+def test_a_dying_engine_stops_the_whole_fleet(tmp_path: Path) -> None:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    proc = subprocess.Popen(
+        [*_command(), "up", "--workers", "1", "--port", "0"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert proc.stderr is not None
+        engine_pid = router_up = None
+        lines = []
+        for line in proc.stderr:
+            lines.append(line)
+            m = re.match(r"\[engine-0\] .*Started server process \[(\d+)\]", line)
+            engine_pid = int(m.group(1)) if m else engine_pid
+            router_up = router_up or ("[router]" in line and "Uvicorn running" in line)
+            if engine_pid and router_up:
+                break
+        assert engine_pid, "".join(lines)
+        os.kill(engine_pid, signal.SIGKILL)
+        assert proc.wait(30) == 1
+        rest = proc.stderr.read()
+        assert "engine-0 exited" in rest and "stopping" in rest
+        with pytest.raises(ProcessLookupError):  # the router went down with it
+            _poll(lambda: os.killpg(proc.pid, 0), 15, "every child gone")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()
