@@ -194,10 +194,10 @@ class ModelRunner(abc.ABC):
         Raises :class:`RunnerError` when ``len(data) != kv_block_bytes``."""
 
     def io_delay(self, tier: str, num_bytes: int, *, write: bool = False) -> float:
-        """Seconds a DISK/EXTERNAL read (or write) of ``num_bytes`` should take *in addition* to
-        the real I/O the engine does. The sim runner models ``bytes / bandwidth + latency`` here
-        (its blocks are tiny fake payloads); a real runner returns 0 because real I/O takes real
-        time."""
+        """Modeled seconds (before ``--speedup``, like ``StepOutput.elapsed_s``) a DISK/EXTERNAL
+        read (or write) of ``num_bytes`` should take *in addition* to the real I/O the engine
+        does. The sim runner models ``bytes / bandwidth + latency`` for reads here (its blocks
+        are tiny fake payloads); a real runner returns 0 because real I/O takes real time."""
         return 0.0
 
     def close(self) -> None:  # noqa: B027 - optional hook
