@@ -99,7 +99,8 @@ async def route(request: Request) -> Response:
     if req.account:
         route_id = state.accounts.add(state.commit(d, best, kind="route_account"))
     else:
-        state.metrics.route_decisions.labels(c.key[0], "route").inc()
+        m = state.metrics
+        m.child(m.route_decisions, c.key[0], "route").inc()
     out = RouteOut(
         worker_id=c.key[0],
         dp_rank=c.key[1],
@@ -313,6 +314,7 @@ def create_app(settings: Settings) -> FastAPI:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await state.subscriber.aclose()
+            await state.upstream.aclose()
             await client.aclose()
 
     app = FastAPI(

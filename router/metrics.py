@@ -150,6 +150,7 @@ class RouterMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         r = registry
         self.registry = r
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.route_decisions = Counter(
             "kvrouter_route_decisions",
             "placement decisions per chosen worker",
@@ -243,7 +244,18 @@ class RouterMetrics:
             registry=r,
         )
 
+    def child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, cached: ``labels`` costs several µs on the hot path."""
+        key = (id(metric), labels)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(*labels)
+        return c
+
+    def forget_worker(self, worker: str) -> None:
+        self._children = {k: v for k, v in self._children.items() if worker not in k[1]}
+
     def observe_cached(self, worker: str, predicted: int, actual: int) -> None:
-        self.predicted_tokens.labels(worker).inc(predicted)
-        self.actual_tokens.labels(worker).inc(actual)
-        self.cached_error.labels(worker).observe(abs(predicted - actual))
+        self.child(self.predicted_tokens, worker).inc(predicted)
+        self.child(self.actual_tokens, worker).inc(actual)
+        self.child(self.cached_error, worker).observe(abs(predicted - actual))

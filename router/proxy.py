@@ -21,7 +21,6 @@ from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 import anyio
-import httpx
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
@@ -37,13 +36,14 @@ from router.api import (
 )
 from router.errors import BadRequest, NoHealthyWorker, TooManyRequests
 from router.service import Decision, RouterState
+from router.upstream import ConnectError, UpstreamError, UpstreamResponse
 
 __all__ = ["ClientGone", "ProxyStream", "proxy_openai", "race_disconnect"]
 
 log = logging.getLogger("kvrouter.proxy")
 T = TypeVar("T")
 
-_FORWARD_HEADERS = ("authorization", "accept", "x-request-id", "traceparent", "tracestate")
+_FORWARD_HEADERS = ("Authorization", "Accept", "X-Request-Id", "Traceparent", "Tracestate")
 _RETRY_STATUSES = frozenset((502, 503, 504))
 
 
@@ -104,6 +104,7 @@ class _Flight:
         "cached",
         "cand",
         "endpoint",
+        "inflight",
         "predicted_tokens",
         "state",
         "t0",
@@ -125,12 +126,15 @@ class _Flight:
         self.predicted_tokens = min(self.cand.matched_blocks, max(0, d.tokens - 1) // bs) * bs
         self.usage_tail = b""
         self.cached: int | None = None
-        state.metrics.inflight.labels(self.worker).inc()
+        m = state.metrics
+        self.inflight = m.child(m.inflight, self.worker)
+        self.inflight.inc()
 
     def first_byte(self) -> None:
         if self.ticket.state == 0:
             self.state.load.first_token(self.ticket)
-            self.state.metrics.ttfb.labels(self.worker).observe(time.perf_counter() - self.t0)
+            m = self.state.metrics
+            m.child(m.ttfb, self.worker).observe(time.perf_counter() - self.t0)
 
     def scan(self, chunk: bytes) -> None:
         """Find the usage chunk of an SSE stream (lines may straddle network chunks)."""
@@ -152,8 +156,8 @@ class _Flight:
         if self.ticket.state == 2:
             return
         st.load.finish(self.ticket)
-        st.metrics.inflight.labels(self.worker).dec()
-        st.metrics.proxied.labels(self.worker, self.endpoint, status).inc()
+        self.inflight.dec()
+        st.metrics.child(st.metrics.proxied, self.worker, self.endpoint, status).inc()
         if self.cached is not None:
             st.metrics.observe_cached(self.worker, self.predicted_tokens, self.cached)
 
@@ -161,12 +165,14 @@ class _Flight:
 class ProxyStream(Response):
     """Streams an upstream response; a client disconnect cancels the pump and closes upstream."""
 
-    def __init__(self, upstream: httpx.Response, flight: _Flight, headers: dict[str, str]) -> None:
+    def __init__(
+        self, upstream: UpstreamResponse, flight: _Flight, headers: dict[str, str]
+    ) -> None:
         self.upstream = upstream
         self.flight = flight
         self.status_code = upstream.status_code
         self.background = None
-        self.media_type = upstream.headers.get("content-type", "text/event-stream")
+        self.media_type = upstream.header("content-type", "text/event-stream")
         self.init_headers(headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -184,7 +190,7 @@ class ProxyStream(Response):
                     nonlocal status
                     try:
                         await self._pump(send)
-                    except (httpx.HTTPError, OSError) as e:
+                    except (UpstreamError, OSError) as e:
                         # the head was sent: no retry; return without ending the body so the
                         # server aborts the connection and the client sees a truncated stream
                         log.warning("upstream %s failed mid-stream: %r", self.flight.worker, e)
@@ -204,7 +210,7 @@ class ProxyStream(Response):
             {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
         )
         flight = self.flight
-        async for chunk in self.upstream.aiter_raw():
+        async for chunk in self.upstream.iter_chunks():
             if not chunk:
                 continue
             flight.first_byte()
@@ -230,6 +236,26 @@ async def _tokens(state: RouterState, endpoint: str, body: bytes) -> tuple[Any, 
     return req, await state.tokenizer.encode_chat(req.messages, req.model), req.stream
 
 
+async def _exchange(
+    state: RouterState,
+    url: str,
+    path: str,
+    headers: list[tuple[str, str]],
+    body: bytes,
+    *,
+    stream: bool,
+) -> tuple[UpstreamResponse, bytes | None]:
+    """Send upstream; read the whole body too unless streaming (then the caller streams it)."""
+    resp = await state.upstream.request(url, "POST", path, headers, body)
+    if stream and resp.status_code == 200:
+        return resp, None
+    try:
+        content = await resp.read()
+    finally:
+        await resp.aclose()
+    return resp, content
+
+
 async def proxy_openai(state: RouterState, request: Request, endpoint: str) -> Response:
     """``endpoint``: ``completions`` or ``chat`` (→ ``/v1/chat/completions`` upstream)."""
     s = state.settings.proxy
@@ -242,37 +268,35 @@ async def proxy_openai(state: RouterState, request: Request, endpoint: str) -> R
     if not d.order:
         raise NoHealthyWorker("no healthy worker for this request")
     path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
-    fwd = {"content-type": "application/json", "accept-encoding": "identity"}
+    fwd = [("Content-Type", "application/json")]
     for h in _FORWARD_HEADERS:
         v = request.headers.get(h)
         if v is not None:
-            fwd[h] = v
+            fwd.append((h, v))
     state.inflight += 1
     handed_off = False
     errors: list[str] = []
+    attempts = d.order[: 1 + s.retries]
     try:
-        for i in d.order[: 1 + s.retries]:
+        for n, i in enumerate(attempts):
             ws = d.states[i]
             cand = d.candidates[i]
-            headers = dict(fwd)
+            headers = fwd
             if ws.config.dp_ranks > 1:
-                headers["x-data-parallel-rank"] = str(cand.key[1])
+                headers = [*fwd, ("X-Data-Parallel-Rank", str(cand.key[1]))]
             flight = _Flight(state, d, i, endpoint, t0)
-            up = state.client.build_request("POST", ws.url + path, content=body, headers=headers)
             try:
-                resp = await race_disconnect(request, state.client.send(up, stream=True))
+                resp, content = await race_disconnect(
+                    request, _exchange(state, ws.url, path, headers, body, stream=stream)
+                )
             except ClientGone:
                 flight.done("client_disconnect")
                 return Response(status_code=499)
-            except httpx.HTTPError as e:
+            except UpstreamError as e:
                 flight.done("upstream_error")
                 reason = type(e).__name__
-                errors.append(f"{ws.id}: {reason}")
-                state.registry.mark_failure(
-                    ws.id,
-                    f"proxy: {e!r}",
-                    now=isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)),
-                )
+                errors.append(f"{ws.id}: {reason}: {e}")
+                state.registry.mark_failure(ws.id, f"proxy: {e}", now=isinstance(e, ConnectError))
                 state.metrics.retries.labels(ws.id, reason).inc()
                 continue
             out_headers = {
@@ -281,27 +305,14 @@ async def proxy_openai(state: RouterState, request: Request, endpoint: str) -> R
             }
             if ws.config.dp_ranks > 1:
                 out_headers["x-kvrouter-dp-rank"] = str(cand.key[1])
-            if resp.status_code in _RETRY_STATUSES:
-                await resp.aclose()
+            if resp.status_code in _RETRY_STATUSES and n + 1 < len(attempts):
                 flight.done(str(resp.status_code))
                 errors.append(f"{ws.id}: HTTP {resp.status_code}")
                 state.metrics.retries.labels(ws.id, str(resp.status_code)).inc()
-                if i != d.order[: 1 + s.retries][-1]:
-                    continue
-                raise NoHealthyWorker(f"every worker tried failed ({'; '.join(errors)})")
-            if stream and resp.status_code == 200:
+                continue
+            if content is None:
                 handed_off = True
                 return ProxyStream(resp, flight, out_headers)
-            try:
-                content = await race_disconnect(request, resp.aread())
-            except ClientGone:
-                await resp.aclose()
-                flight.done("client_disconnect")
-                return Response(status_code=499)
-            except httpx.HTTPError as e:
-                await resp.aclose()
-                flight.done("upstream_error")
-                raise NoHealthyWorker(f"worker {ws.id} failed while answering: {e!r}") from e
             flight.first_byte()
             if resp.status_code == 200:
                 flight.cached = cached_tokens_of(content)
@@ -310,7 +321,7 @@ async def proxy_openai(state: RouterState, request: Request, endpoint: str) -> R
                 content,
                 status_code=resp.status_code,
                 headers=out_headers,
-                media_type=resp.headers.get("content-type", "application/json"),
+                media_type=resp.header("content-type", "application/json"),
             )
         raise NoHealthyWorker(f"every worker tried failed ({'; '.join(errors)})")
     finally:

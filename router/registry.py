@@ -20,7 +20,7 @@ import httpx
 import msgspec
 
 from router.errors import NotFound
-from router.scoring import ScrapedLoad
+from router.scoring import ScrapedLoad, worker_hash
 from router.settings import HealthSettings, WorkerConfig
 
 __all__ = ["Registry", "WorkerState", "parse_load_metrics"]
@@ -91,6 +91,7 @@ class WorkerState:
         self.discovered_models: frozenset[str] = frozenset()
         self.scraped: ScrapedLoad | None = None
         self.keys: list[WorkerKey] = [(config.id, r) for r in range(config.dp_ranks)]
+        self.key_hashes = [worker_hash(k) for k in self.keys]
 
     @property
     def id(self) -> str:

@@ -38,6 +38,7 @@ __all__ = [
     "rank",
     "score",
     "tie_hash",
+    "tier_breakdown",
     "worker_hash",
 ]
 
@@ -83,6 +84,7 @@ class Candidate(msgspec.Struct):
     shared_active: int = 0
     shared_prefill: int = 0
     scraped: ScrapedLoad | None = None
+    whash: int = -1  # worker_hash(key), precomputed by the caller; -1: compute here
     # outputs, set by score()
     credited: float = 0.0
     cost: float = math.inf
@@ -123,8 +125,9 @@ def worker_hash(key: WorkerKey) -> int:
     return zlib.crc32(f"{key[0]}\x00{key[1]}".encode())
 
 
-def tie_hash(request_key: int, key: WorkerKey) -> int:
-    x = (request_key ^ (worker_hash(key) * 0x9E3779B97F4A7C15)) & _M64
+def tie_hash(request_key: int, whash: int) -> int:
+    """Stable per (request, worker): equal-cost requests spread, each always the same way."""
+    x = (request_key ^ (whash * 0x9E3779B97F4A7C15)) & _M64
     x ^= x >> 33
     x = (x * 0xFF51AFD7ED558CCD) & _M64
     x ^= x >> 33
@@ -149,7 +152,8 @@ def rank(
         cost = score(c, n, weights)
         if c.healthy:
             load = c.inflight_prefill + c.active_blocks
-            healthy.append((cost, load, tie_hash(request_key, c.key), i))
+            wh = c.whash if c.whash >= 0 else worker_hash(c.key)
+            healthy.append((cost, load, tie_hash(request_key, wh), i))
     healthy.sort()
     order = [t[3] for t in healthy]
     if temperature > 0.0 and len(order) > 1:

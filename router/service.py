@@ -31,6 +31,7 @@ from router.registry import Registry, WorkerState
 from router.scoring import Candidate, ScoreWeights, rank
 from router.settings import Settings, WorkerConfig
 from router.tokenize import Tokenizer, make_tokenizer
+from router.upstream import UpstreamPool
 
 __all__ = ["Decision", "RouterState"]
 
@@ -65,7 +66,14 @@ class Decision:
 class RouterState:
     def __init__(self, settings: Settings, client: httpx.AsyncClient) -> None:
         self.settings = settings
-        self.client = client
+        self.client = client  # cold paths: health checks, scraping, /tokenize
+        p = settings.proxy
+        self.upstream = UpstreamPool(  # the proxy's hot path
+            connect_s=p.connect_timeout_s,
+            read_s=p.read_timeout_s,
+            write_s=p.write_timeout_s,
+            max_idle_per_origin=p.max_connections,
+        )
         self.index = PrefixIndex(settings.block_size)
         self.subscriber = Subscriber(
             self.index, replay_timeout=settings.subscriber.replay_timeout_s
@@ -132,6 +140,7 @@ class RouterState:
         self.index.remove_worker(worker_id)
         self.accounts.drop_worker(worker_id)
         self.load.drop_worker(worker_id)
+        self.metrics.forget_worker(worker_id)
 
     def ready(self) -> tuple[bool, list[str]]:
         waiting = [w for w in self.registry.workers if not self.subscriber.worker_ready(w)]
@@ -182,12 +191,15 @@ class RouterState:
                     hashes = index.request_hashes(token_ids, model=ns, lora_name=lora_name)
                 except (TypeError, OverflowError, ValueError) as e:
                     raise BadRequest(f"token_ids: {e}") from e
-                res = index.match(hashes, overlay=overlay, pools=pools)
+                # every prediction covers its request's blocks from the first one on, so a
+                # request whose first block is predicted nowhere meets none: keep the fast path
+                ov = overlay if overlay is not None and hashes and hashes[0] in overlay else None
+                res = index.match(hashes, overlay=ov, pools=pools)
                 entry = by_ns[ns] = (hashes, res.workers)
                 n = res.request_blocks
             hashes, matches = entry
-            for key in st.keys:
-                c = Candidate(key, st.healthy)
+            for key, wh in zip(st.keys, st.key_hashes):
+                c = Candidate(key, st.healthy, whash=wh)
                 wm = matches.get(key)
                 if wm is not None:
                     c.matched_blocks = wm.matched_blocks
@@ -230,7 +242,8 @@ class RouterState:
             slot = -1
         if slot >= 0:
             self.predicted.record(hashes, slot)
-        self.metrics.route_decisions.labels(c.key[0], kind).inc()
+        m = self.metrics
+        m.child(m.route_decisions, c.key[0], kind).inc()
         if d.n:
             self.metrics.matched_ratio.observe(c.matched_blocks / d.n)
         return t

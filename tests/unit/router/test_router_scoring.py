@@ -16,6 +16,7 @@ from router.scoring import (
     score,
     tie_hash,
     tier_breakdown,
+    worker_hash,
 )
 
 W = ScoreWeights()
@@ -86,7 +87,9 @@ def test_ties_break_on_load_then_a_stable_request_hash():
         assert o1 == o2
         firsts[o1[0]] += 1
     assert len(firsts) == 4  # different requests spread over equal workers
-    assert tie_hash(1, ("a", 0)) == tie_hash(1, ("a", 0)) != tie_hash(2, ("a", 0))
+    wa = worker_hash(("a", 0))
+    assert wa == worker_hash(("a", 0)) != worker_hash(("a", 1))
+    assert tie_hash(1, wa) == tie_hash(1, wa) != tie_hash(2, wa)
 
 
 def test_temperature_samples_cheaper_workers_more_often():

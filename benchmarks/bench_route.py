@@ -1,0 +1,366 @@
+"""Router benchmark: ``/route`` latency, and the latency the OpenAI proxy adds.
+
+Run (about a minute on the 2-core dev machine; nothing else should be running):
+
+    python benchmarks/bench_route.py                       # both parts, table + PNG
+    python benchmarks/bench_route.py --only route --queries 20000
+    python benchmarks/bench_route.py --only proxy --seconds 30 --rate 100
+
+Everything is real and on 127.0.0.1: the router is ``python -m router`` in its own process, the
+worker is a minimal OpenAI server (this file with ``--serve-worker``) in another, and the KV events
+come from 8 ZMQ PUB sockets in this process.
+
+1. route: 8 workers each announce 16 random-length prefixes (up to 32,768 tokens) of 64 shared
+   documents (4 system prompts shared by groups of documents) — the state of
+   ``bench_ingest.py``'s match benchmark, delivered as its ingest stream shape (vLLM >= 0.24 wire
+   format, 16-token blocks, 16 blocks per chained ``BlockStored``). Then ``POST /route`` with
+   ``token_ids`` of a document's first 4,096 tokens (256 blocks), one request at a time over one
+   keep-alive connection; latency measured by the client (request write to last response byte).
+   Reference on this machine: Dynamo's standalone indexer answers its ``/query`` for the same
+   shape at p50 279 µs / p99 438 µs. Target: p99 <= 438 µs.
+2. proxy: ``POST /v1/completions`` (a 1,000-byte prompt, non-streaming) paced at ``--rate``
+   requests/s, alternating direct-to-worker and through-the-router requests so both see the same
+   machine noise. Reported: p50/p99 of each and the difference. Target: p99 added <= 2 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+BS = 16
+BLOCKS_PER_EVENT = 16
+WORKERS = 8
+DOCS_PER_WORKER = 16
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def serve_worker() -> None:
+    """The minimal OpenAI worker: fixed answers, no model, so only HTTP costs are measured."""
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    answer = json.dumps(
+        {
+            "id": "cmpl-1",
+            "object": "text_completion",
+            "created": 0,
+            "model": "bench",
+            "choices": [{"index": 0, "text": "ok", "finish_reason": "length", "logprobs": None}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2,
+                      "prompt_tokens_details": {"cached_tokens": 0}},
+        }
+    ).encode()  # fmt: skip
+
+    async def completions(request):  # type: ignore[no-untyped-def]
+        await request.body()
+        return Response(answer, media_type="application/json")
+
+    async def health(request):  # type: ignore[no-untyped-def]
+        return Response(b'{"status":"ok"}', media_type="application/json")
+
+    app = Starlette(
+        routes=[
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/health", health),
+        ]
+    )
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None):  # type: ignore[no-untyped-def]
+            await super().startup(sockets)
+            port = self.servers[0].sockets[0].getsockname()[1]
+            print(f"worker http://127.0.0.1:{port}", flush=True)
+
+    Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")).run()
+
+
+def spawn(args: list[str], pattern: str) -> tuple[subprocess.Popen[str], str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env=env, cwd=str(ROOT))
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        m = re.search(pattern, line)
+        if m:
+            return proc, m.group(1)
+    proc.kill()
+    raise SystemExit(f"{args[:3]} did not start")
+
+
+class Client:
+    """One keep-alive HTTP/1.1 connection; ``call`` returns (status, body, seconds)."""
+
+    def __init__(self, url: str) -> None:
+        host, port = url.removeprefix("http://").split(":")
+        self.conn = http.client.HTTPConnection(host, int(port))
+        self.headers = {"Content-Type": "application/json"}
+
+    def call(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes, float]:
+        t0 = time.perf_counter()
+        self.conn.request(method, path, body=body, headers=self.headers)
+        resp = self.conn.getresponse()
+        data = resp.read()
+        return resp.status, data, time.perf_counter() - t0
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(len(s) * q))]
+
+
+def wait(cond, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+# --------------------------------------------------------------------------- route
+
+
+def build_stream(seed: int = 0) -> tuple[list[list[list]], list[list[int]], list[int]]:
+    """Per worker, the BlockStored events; the documents; blocks stored per worker."""
+    from indexer.events import BlockStored
+
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(50_000) for _ in range(1024)] for _ in range(4)]
+    docs = [
+        prompts[d % 4] + [rng.randrange(50_000) for _ in range(32_768 - 1024)] for d in range(64)
+    ]
+    streams: list[list[list]] = []
+    totals = []
+    eh = 1
+    step = BS * BLOCKS_PER_EVENT
+    for _w in range(WORKERS):
+        events: list[list] = []
+        total = 0
+        for _ in range(DOCS_PER_WORKER):
+            d = docs[rng.randrange(len(docs))]
+            n = rng.randrange(1, 2049) * BS
+            parent = None
+            for s in range(0, n, step):
+                chunk = d[s : min(s + step, n)]
+                nb = len(chunk) // BS
+                hashes = list(range(eh, eh + nb))
+                eh += nb
+                events.append([BlockStored(hashes, parent, chunk, BS)])
+                parent = hashes[-1]
+                total += nb
+        streams.append(events)
+        totals.append(total)
+    return streams, docs, totals
+
+
+def bench_route(queries: int, worker_url: str) -> dict[str, float]:
+    import zmq
+
+    from indexer.wire import encode_message, encode_payload
+
+    streams, docs, _ = build_stream()
+    ctx = zmq.Context()
+    pubs = []
+    for _ in range(WORKERS):
+        p = ctx.socket(zmq.PUB)
+        p.setsockopt(zmq.SNDHWM, 0)
+        p.bind("tcp://127.0.0.1:*")
+        pubs.append(p)
+    specs = []
+    for w, p in enumerate(pubs):
+        ep = p.getsockopt_string(zmq.LAST_ENDPOINT)
+        specs += ["--worker", f"id=w{w},url={worker_url},events={ep}"]
+    router, url = spawn(
+        [sys.executable, "-m", "router", "--port", "0", "--log-level", "warning", *specs],
+        r"listening on (http://\S+)",
+    )
+    try:
+        c = Client(url)
+        seqs = [0] * WORKERS
+
+        def messages() -> list[int]:
+            ws = json.loads(c.call("GET", "/workers")[1])["workers"]
+            return [w["ranks"][0]["subscriber"]["messages"] for w in ws]
+
+        # slow joiners: empty batches until every subscriber has seen one, then the stream
+        probe = encode_payload([], ts=time.time(), dp_rank=0)
+        deadline = time.monotonic() + 60
+        while min(messages()) == 0:
+            if time.monotonic() > deadline:
+                raise SystemExit("subscribers never received events")
+            for w, p in enumerate(pubs):
+                p.send_multipart(encode_message(b"", seqs[w], probe))
+                seqs[w] += 1
+            time.sleep(0.02)
+        t0 = time.perf_counter()
+        sent = 0
+        for w, p in enumerate(pubs):
+            for ev in streams[w]:
+                p.send_multipart(encode_message(b"", seqs[w], encode_payload(ev, ts=time.time())))
+                seqs[w] += 1
+                sent += 1
+        wait(lambda: sum(messages()) >= sum(seqs), 120, "the event stream to be applied")
+        ingest_s = time.perf_counter() - t0
+        rng = random.Random(1)
+        bodies = [
+            json.dumps({"token_ids": docs[rng.randrange(len(docs))][:4096]}).encode()
+            for _ in range(256)
+        ]
+        status, data, _ = c.call("POST", "/route", bodies[0])
+        assert status == 200, data
+        assert json.loads(data)["request_blocks"] == 256
+        for i in range(300):  # warm up
+            c.call("POST", "/route", bodies[i % len(bodies)])
+        lat = [c.call("POST", "/route", bodies[i % len(bodies)])[2] for i in range(queries)]
+        return {
+            "p50": pct(lat, 0.5),
+            "p99": pct(lat, 0.99),
+            "mean": sum(lat) / len(lat),
+            "ingest_msgs": float(sent),
+            "ingest_s": ingest_s,
+            "samples": lat,  # type: ignore[dict-item]
+        }
+    finally:
+        router.terminate()
+        router.wait(30)
+        for p in pubs:
+            p.close(0)
+        ctx.term()
+
+
+# --------------------------------------------------------------------------- proxy
+
+
+def bench_proxy(seconds: float, rate: float, worker_url: str) -> dict[str, list[float]]:
+    router, url = spawn(
+        [sys.executable, "-m", "router", "--port", "0", "--log-level", "warning",
+         "--worker", f"id=w0,url={worker_url},events=tcp://127.0.0.1:1"]
+    , r"listening on (http://\S+)")  # fmt: skip
+    try:
+        direct, routed = Client(worker_url), Client(url)
+        prompt = "".join(random.Random(2).choice("abcdefgh ") for _ in range(1000))
+        body = json.dumps({"model": "bench", "prompt": prompt, "max_tokens": 1}).encode()
+        for _ in range(200):  # warm up both paths (connections, code paths)
+            assert direct.call("POST", "/v1/completions", body)[0] == 200
+            s, data, _ = routed.call("POST", "/v1/completions", body)
+            assert s == 200, data
+        out: dict[str, list[float]] = {"direct": [], "router": []}
+        n = int(seconds * rate)
+        t0 = time.perf_counter()
+        for i in range(n):
+            due = t0 + i / rate
+            delay = due - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            if i % 2 == 0:
+                out["direct"].append(direct.call("POST", "/v1/completions", body)[2])
+            else:
+                out["router"].append(routed.call("POST", "/v1/completions", body)[2])
+        return out
+    finally:
+        router.terminate()
+        router.wait(30)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--only", choices=["route", "proxy"])
+    ap.add_argument("--queries", type=int, default=5000, help="/route requests measured")
+    ap.add_argument("--seconds", type=float, default=20.0, help="proxy measurement time")
+    ap.add_argument("--rate", type=float, default=100.0, help="proxy requests per second")
+    ap.add_argument("--plot", default=str(ROOT / "benchmarks" / "out" / "bench_route.png"))
+    ap.add_argument("--serve-worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve_worker:
+        serve_worker()
+        return
+    worker, worker_url = spawn(
+        [sys.executable, str(Path(__file__).resolve()), "--serve-worker"], r"worker (http://\S+)"
+    )
+    rows = []
+    route = proxy = None
+    try:
+        if args.only in (None, "route"):
+            route = bench_route(args.queries, worker_url)
+            rows.append(
+                ("/route 4,096 tok x 8 workers", route["p50"], route["p99"], "p99 <= 438 us")
+            )
+        if args.only in (None, "proxy"):
+            proxy = bench_proxy(args.seconds, args.rate, worker_url)
+            d, r = proxy["direct"], proxy["router"]
+            rows.append(("completions direct", pct(d, 0.5), pct(d, 0.99), ""))
+            rows.append(("completions via router", pct(r, 0.5), pct(r, 0.99), ""))
+            rows.append(
+                (
+                    "  added by the router",
+                    pct(r, 0.5) - pct(d, 0.5),
+                    pct(r, 0.99) - pct(d, 0.99),
+                    "p99 <= 2 ms",
+                )
+            )
+    finally:
+        worker.terminate()
+        worker.wait(30)
+    print(f"\n{'measure':<32}{'p50':>12}{'p99':>12}   target")
+    for name, p50, p99, target in rows:
+        print(f"{name:<32}{p50 * 1e6:>10.0f}us{p99 * 1e6:>10.0f}us   {target}")
+    if route is not None:
+        print(
+            f"\n(ingest: {int(route['ingest_msgs'])} messages applied in {route['ingest_s']:.2f} s; "
+            f"/route mean {route['mean'] * 1e6:.0f} us over {args.queries} requests)"
+        )
+    _plot(args.plot, route, proxy)
+
+
+def _plot(path: str, route, proxy) -> None:  # type: ignore[no-untyped-def]
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    series = []
+    if route is not None:
+        series.append(("/route", route["samples"]))
+    if proxy is not None:
+        series += [("completions direct", proxy["direct"]), ("via router", proxy["router"])]
+    if not series:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, xs in series:
+        s = sorted(x * 1e6 for x in xs)
+        ax.plot(s, [i / len(s) for i in range(len(s))], label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("latency (us)")
+    ax.set_ylabel("fraction of requests")
+    ax.legend()
+    ax.grid(True, alpha=0.3)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    print(f"plot: {path}")
+
+
+if __name__ == "__main__":
+    main()
