@@ -24,6 +24,7 @@ import hashlib
 import random
 import time
 from array import array
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from engine.runner.base import (
@@ -59,6 +60,13 @@ SIM_DEFAULTS: dict[str, float] = {
 
 _MAGIC = b"SIMKV1"
 _DIGEST = 16
+_CACHED_SEQS = 4096
+
+
+def _chain(prev: bytes, tokens: Sequence[int]) -> bytes:
+    h = hashlib.blake2b(prev, digest_size=_DIGEST)
+    h.update(array("q", tokens).tobytes())
+    return h.digest()
 
 
 class SimTransfer(Transfer):
@@ -105,6 +113,7 @@ class SimRunner(ModelRunner):
         self._rng = random.Random(config.seed)
         self._gpu: list[bytes] = [b""] * self.num_gpu_blocks
         self._host: list[bytes] = [b""] * self.num_host_slots
+        self._full: OrderedDict[int, list[bytes]] = OrderedDict()
         self.modeled_block_bytes = int(params["kv_bytes_per_token"] * self.block_size)
         self._model = config.model
         #: Total modeled compute time of every step so far (seconds, before speedup).
@@ -139,15 +148,20 @@ class SimRunner(ModelRunner):
     # ------------------------------------------------------------------ step
 
     def _digests(self, s: ScheduledSeq, upto: int) -> list[bytes]:
-        """Payload digest of each block covering positions ``[0, upto)``."""
+        """Payload digest of each block covering positions ``[0, upto)``. Full-block digests are
+        cached per sequence (its tokens only ever grow), so a step hashes only new blocks."""
         bs = self.block_size
-        out = []
-        d = b""
-        for start in range(0, upto, bs):
-            h = hashlib.blake2b(d, digest_size=_DIGEST)
-            h.update(array("q", s.token_ids[start : min(start + bs, upto)]).tobytes())
-            d = h.digest()
-            out.append(d)
+        full = self._full.pop(s.seq_id, None) or []
+        self._full[s.seq_id] = full  # most recently used last
+        if len(self._full) > _CACHED_SEQS:
+            self._full.popitem(last=False)
+        while len(full) < upto // bs:
+            j = len(full)
+            full.append(_chain(full[-1] if full else b"", s.token_ids[j * bs : (j + 1) * bs]))
+        out = full[: upto // bs]
+        if upto % bs:
+            start = upto - upto % bs
+            out.append(_chain(out[-1] if out else b"", s.token_ids[start:upto]))
         return out
 
     def execute(self, seqs: Sequence[ScheduledSeq]) -> StepOutput:
