@@ -205,6 +205,8 @@ def _run(args: argparse.Namespace, tmp: Path, children: list[Child], stop: threa
         for c in children:
             code = c.proc.poll()
             if code is not None:
+                if stop.wait(0.5):  # Ctrl-C reached the children too: a normal stop
+                    return 0
                 print(f"kvrouter up: {c.name} exited with status {code}; stopping", file=sys.stderr)
                 return 1
     return 0
