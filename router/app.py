@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import logging
 import secrets
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -24,26 +23,10 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from router.api import (
-    CandidateOut,
-    RouteOut,
-    RouteRequest,
-    WorkerIn,
-    check_messages,
-    decode,
-    encode,
-    read_body,
-)
-from router.errors import (
-    BadRequest,
-    NoHealthyWorker,
-    NotFound,
-    RouterError,
-    Unauthorized,
-    error_response,
-)
+from router.api import WorkerIn, decode, encode, read_body
+from router.errors import BadRequest, NotFound, RouterError, Unauthorized, error_response
+from router.placement import RouteFastPath, route_answer
 from router.proxy import proxy_openai
-from router.scoring import tier_breakdown
 from router.service import RouterState
 from router.settings import Settings, WorkerConfig
 
@@ -77,59 +60,10 @@ def _require_admin(state: RouterState, request: Request) -> None:
 
 
 async def route(request: Request) -> Response:
+    """The routed form of POST /route; :class:`RouteFastPath` answers it first in practice."""
     state = _state(request)
     body = await read_body(request, state.settings.proxy.max_body_bytes)
-    t0 = time.perf_counter()
-    req = decode(body, RouteRequest)
-    if req.token_ids is not None:
-        tokens: list[int] = req.token_ids
-    elif req.prompt is not None:
-        tokens = await state.tokenizer.encode(req.prompt, req.model)
-    elif req.messages:
-        check_messages(req.messages)
-        tokens = await state.tokenizer.encode_chat(req.messages, req.model)
-    else:
-        raise BadRequest("one of token_ids, prompt or messages is required")
-    d = state.place(tokens, req.model, req.lora_name)
-    if not d.order:
-        raise NoHealthyWorker("no healthy worker for this request")
-    best = d.order[0]
-    c = d.candidates[best]
-    route_id = None
-    if req.account:
-        route_id = state.accounts.add(state.commit(d, best, kind="route_account"))
-    else:
-        m = state.metrics
-        m.child(m.route_decisions, c.key[0], "route").inc()
-    out = RouteOut(
-        worker_id=c.key[0],
-        dp_rank=c.key[1],
-        url=d.states[best].url,
-        block_size=d.block_size,
-        request_blocks=d.n,
-        cached_blocks=c.matched_blocks,
-        candidates=[
-            CandidateOut(
-                worker_id=x.key[0],
-                dp_rank=x.key[1],
-                healthy=x.healthy,
-                matched_blocks=x.matched_blocks,
-                matched_by_tier=tier_breakdown(x.by_tier),
-                predicted_blocks=x.predicted_blocks,
-                active_blocks=x.active_blocks,
-                inflight_prefill_blocks=x.inflight_prefill,
-                shared_active_blocks=x.shared_active,
-                shared_prefill_blocks=x.shared_prefill,
-                credited_blocks=x.credited,
-                cost=x.cost,
-            )
-            for x in d.candidates
-        ],
-        route_id=route_id,
-    )
-    resp = Response(encode(out), media_type=_JSON)
-    state.metrics.route_latency.observe(time.perf_counter() - t0)
-    return resp
+    return Response(await route_answer(state, body), media_type=_JSON)
 
 
 async def release_route(request: Request) -> Response:
@@ -324,6 +258,7 @@ def create_app(settings: Settings) -> FastAPI:
         redoc_url=None,
         openapi_url=None,
     )
+    app.add_middleware(RouteFastPath)
     app.add_exception_handler(RouterError, _router_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)

@@ -42,7 +42,7 @@ class RouterHandle:
 async def zctx() -> AsyncIterator[zmq.asyncio.Context]:
     ctx = zmq.asyncio.Context()
     yield ctx
-    ctx.term()
+    ctx.destroy(linger=0)  # never blocks, even if a failed test left a socket open
 
 
 @pytest.fixture
