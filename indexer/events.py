@@ -58,7 +58,7 @@ def canonical_tier(medium: str | None) -> str:
     return TIER_ALIASES.get(key, key)
 
 
-class BlockStored(msgspec.Struct, frozen=True, tag=True):
+class BlockStored(msgspec.Struct, frozen=True, tag=True, gc=False):
     block_hashes: list[EngineHash]
     parent_block_hash: EngineHash | None
     token_ids: list[int]
@@ -69,20 +69,20 @@ class BlockStored(msgspec.Struct, frozen=True, tag=True):
     lora_name: str | None = None
 
 
-class BlockRemoved(msgspec.Struct, frozen=True, tag=True):
+class BlockRemoved(msgspec.Struct, frozen=True, tag=True, gc=False):
     block_hashes: list[EngineHash]
     tier: str = "GPU"
     medium: str | None = None
 
 
-class AllBlocksCleared(msgspec.Struct, frozen=True, tag=True):
+class AllBlocksCleared(msgspec.Struct, frozen=True, tag=True, gc=False):
     pass
 
 
 Event = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-class EventBatch(msgspec.Struct, frozen=True):
+class EventBatch(msgspec.Struct, frozen=True, gc=False):
     """One ZMQ message: ``[topic, seq, payload]`` with payload ``[ts, events, dp_rank]``."""
 
     seq: int
