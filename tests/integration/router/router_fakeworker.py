@@ -124,6 +124,7 @@ class FakeWorker:
         #: "answer" replies to replay requests; "hold" keeps them until ``release_replay()``
         self.replay_mode = replay_mode
         self.requests: list[dict[str, Any]] = []
+        self.request_headers: list[dict[str, str]] = []
         self.cancelled = 0
         self.completed = 0
         self.running = 0
@@ -313,6 +314,7 @@ class FakeWorker:
         self, request: Request, body: dict[str, Any], tokens: list[int], *, chat: bool
     ) -> Response:
         self.requests.append(body)
+        self.request_headers.append(dict(request.headers))
         cached = self.cached_prefix_tokens(tokens)
         rid = f"cmpl-{self.worker_id}-{len(self.requests)}"
         obj = "chat.completion" if chat else "text_completion"
