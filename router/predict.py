@@ -8,6 +8,10 @@ the block itself and reports it under its real tier, so an extra overlay bit cha
 prediction that never came true (request failed, block evicted) lasts at most ``ttl_s``.
 
 ``mask`` maps router hash → bitmask of worker slots (``PrefixIndex.slot``), the overlay shape.
+The router records only the blocks the chosen worker does not hold yet, so once events have
+caught up a repeated prompt adds nothing and the overlay stays small. Each recording covers a
+chain segment ``hashes[k:]``; a request can meet a prediction only if it contains that segment's
+first block (hashes are chained), which ``might_meet`` checks without touching the index.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ class PredictedBlocks:
         # expiry order (the TTL is constant), so expiring is a pop from the left.
         self._expiry: dict[tuple[int, int], float] = {}
         self._log: deque[tuple[float, int, Sequence[int]]] = deque()
+        self._starts: dict[int, int] = {}  # first hash of each live recording -> recordings
         self.expired_early = 0
 
     def __len__(self) -> int:
@@ -43,6 +48,13 @@ class PredictedBlocks:
     def overlay(self) -> Mapping[int, int] | None:
         """What to pass to ``PrefixIndex.match``: ``None`` when empty keeps the index's fast path."""
         return self.mask or None
+
+    def might_meet(self, hashes: Sequence[int]) -> bool:
+        """Whether any block of ``hashes`` may be predicted somewhere (no false negatives)."""
+        starts = self._starts
+        if not starts:
+            return False
+        return any(h in starts for h in hashes)
 
     def record(self, hashes: Sequence[int], slot: int) -> None:
         if self.ttl_s <= 0 or not hashes or self.max_blocks <= 0:
@@ -57,6 +69,8 @@ class PredictedBlocks:
             mask[h] = mask.get(h, 0) | bit
             expiry[(h, slot)] = exp
         self._log.append((exp, slot, hashes))
+        first = hashes[0]
+        self._starts[first] = self._starts.get(first, 0) + 1
         while len(expiry) > self.max_blocks and self._log:
             # over the memory cap: end the oldest predictions now rather than grow without bound
             self._pop(force=True)
@@ -73,6 +87,12 @@ class PredictedBlocks:
 
     def _pop(self, *, force: bool) -> None:
         exp, slot, hashes = self._log.popleft()
+        first = hashes[0]
+        left = self._starts.get(first, 0) - 1
+        if left > 0:
+            self._starts[first] = left
+        else:
+            self._starts.pop(first, None)
         bit = 1 << slot
         expiry = self._expiry
         mask = self.mask
@@ -100,3 +120,6 @@ class PredictedBlocks:
             else:
                 self.mask.pop(k[0], None)
         self._log = deque(e for e in self._log if e[1] != slot)
+        self._starts = {}
+        for _, _, hashes in self._log:
+            self._starts[hashes[0]] = self._starts.get(hashes[0], 0) + 1

@@ -191,9 +191,8 @@ class RouterState:
                     hashes = index.request_hashes(token_ids, model=ns, lora_name=lora_name)
                 except (TypeError, OverflowError, ValueError) as e:
                     raise BadRequest(f"token_ids: {e}") from e
-                # every prediction covers its request's blocks from the first one on, so a
-                # request whose first block is predicted nowhere meets none: keep the fast path
-                ov = overlay if overlay is not None and hashes and hashes[0] in overlay else None
+                # a request that meets no prediction keeps the index's fast path
+                ov = overlay if overlay is not None and self.predicted.might_meet(hashes) else None
                 res = index.match(hashes, overlay=ov, pools=pools)
                 entry = by_ns[ns] = (hashes, res.workers)
                 n = res.request_blocks
@@ -240,8 +239,9 @@ class RouterState:
             slot = self.index.slot(c.key)
         except KeyError:
             slot = -1
-        if slot >= 0:
-            self.predicted.record(hashes, slot)
+        held = c.matched_blocks - c.predicted_blocks  # what the worker's own events announced
+        if slot >= 0 and held < len(hashes):
+            self.predicted.record(hashes[max(0, held) :], slot)
         m = self.metrics
         m.child(m.route_decisions, c.key[0], kind).inc()
         if d.n:

@@ -71,6 +71,7 @@ async def test_prefix_on_b_gpu_goes_to_b_and_proxy_follows(workers, router, http
     assert resp.headers["x-kvrouter-cached-blocks"] == "22"
     assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 22 * BS
     assert len(b.requests) == 1 and not a.requests
+    assert len(r.state.predicted) == 0  # b's events already announced every block: no prediction
 
 
 async def test_disk_on_a_and_gpu_on_b_goes_to_b(workers, router, http):

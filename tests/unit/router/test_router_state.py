@@ -81,3 +81,19 @@ def test_route_accounts_release_and_expire():
     for i in range(3):  # over max_entries: the oldest ends first
         acc.add(t.start(("a", 0), [i], 1.0, 0))
     assert len(acc) == 2 and t.inflight("a") == 2
+
+
+def test_might_meet_finds_every_request_sharing_a_predicted_segment():
+    clock = Clock()
+    p = PredictedBlocks(2.0, clock=clock)
+    assert not p.might_meet([1, 2, 3])
+    p.record([5, 6, 7], slot=1)  # a chain segment: blocks 0-4 were held already
+    assert p.might_meet([1, 2, 3, 4, 5])  # contains the segment's first block
+    assert p.might_meet([1, 2, 3, 4, 5, 6, 9])
+    assert not p.might_meet([1, 2, 3, 4])
+    clock.t += 3
+    p.expire()
+    assert not p.might_meet([1, 2, 3, 4, 5, 6])
+    p.record([8], slot=2)
+    p.drop_slot(2)
+    assert not p.might_meet([8])
