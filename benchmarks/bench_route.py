@@ -168,8 +168,8 @@ def wait(cond, timeout: float, what: str) -> None:  # type: ignore[no-untyped-de
 # --------------------------------------------------------------------------- route
 
 
-def build_stream(seed: int = 0) -> tuple[list[list[list]], list[list[int]], list[int]]:
-    """Per worker, the BlockStored events; the documents; blocks stored per worker."""
+def build_stream(seed: int = 0) -> tuple[list[list[list]], list[list[int]]]:
+    """Per worker, its BlockStored events (one per message); the documents."""
     from indexer.events import BlockStored
 
     rng = random.Random(seed)
@@ -178,12 +178,10 @@ def build_stream(seed: int = 0) -> tuple[list[list[list]], list[list[int]], list
         prompts[d % 4] + [rng.randrange(50_000) for _ in range(32_768 - 1024)] for d in range(64)
     ]
     streams: list[list[list]] = []
-    totals = []
     eh = 1
     step = BS * BLOCKS_PER_EVENT
     for _w in range(WORKERS):
         events: list[list] = []
-        total = 0
         for _ in range(DOCS_PER_WORKER):
             d = docs[rng.randrange(len(docs))]
             n = rng.randrange(1, 2049) * BS
@@ -195,10 +193,8 @@ def build_stream(seed: int = 0) -> tuple[list[list[list]], list[list[int]], list
                 eh += nb
                 events.append([BlockStored(hashes, parent, chunk, BS)])
                 parent = hashes[-1]
-                total += nb
         streams.append(events)
-        totals.append(total)
-    return streams, docs, totals
+    return streams, docs
 
 
 def bench_route(queries: int, worker_url: str) -> dict[str, float]:
@@ -206,7 +202,7 @@ def bench_route(queries: int, worker_url: str) -> dict[str, float]:
 
     from indexer.wire import encode_message, encode_payload
 
-    streams, docs, _ = build_stream()
+    streams, docs = build_stream()
     ctx = zmq.Context()
     pubs = []
     for _ in range(WORKERS):

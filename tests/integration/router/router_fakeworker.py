@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from indexer.events import BlockRemoved, BlockStored, Event
+from indexer.events import BlockStored, Event
 from indexer.wire import (
     decode_replay_request,
     encode_message,
@@ -221,12 +221,6 @@ class FakeWorker:
             ]
         )
         return n
-
-    def remove(self, tokens: Sequence[int], *, medium: str | None = None) -> None:
-        bs = self.block_size
-        hashes = [engine_hash(tokens, (i + 1) * bs) for i in range(len(tokens) // bs)]
-        self.cached.difference_update(hashes)
-        self.publish([BlockRemoved(block_hashes=hashes, medium=medium)])
 
     def cached_prefix_tokens(self, tokens: Sequence[int]) -> int:
         bs = self.block_size
