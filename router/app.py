@@ -102,6 +102,7 @@ def _worker_view(state: RouterState, worker_id: str) -> dict[str, Any]:
     st = state.registry.workers[worker_id]
     stats = state.subscriber.stats()
     cfg = st.config
+    since = state.subscriber.seconds_since_last_message(cfg.id)
     ranks = []
     for key in st.keys:
         ws = stats.get(key)
@@ -131,7 +132,8 @@ def _worker_view(state: RouterState, worker_id: str) -> dict[str, Any]:
         "last_error": st.last_error,
         "inflight_requests": state.load.inflight(cfg.id),
         "scraped_load": st.scraped,
-        "seconds_since_last_event": state.subscriber.seconds_since_last_message(cfg.id),
+        "seconds_since_last_event": since,
+        "events_stale": state.registry.events_stale(st, since),
         "ranks": ranks,
     }
 

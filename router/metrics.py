@@ -42,7 +42,7 @@ _TOKEN_ERR_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 65536)
 class WorkerSample:
     """What the collector reads about one worker rank at scrape time."""
 
-    __slots__ = ("dp_rank", "healthy", "index", "sub", "worker_id")
+    __slots__ = ("dp_rank", "healthy", "index", "stale", "sub", "worker_id")
 
     def __init__(
         self, worker_id: str, dp_rank: int, healthy: bool, sub: Any | None, index: Any | None
@@ -52,6 +52,7 @@ class WorkerSample:
         self.healthy = healthy
         self.sub = sub  # indexer.subscriber.WorkerStats
         self.index = index  # indexer.index.WorkerIndexStats
+        self.stale = False
 
 
 _SUB_COUNTERS = (
@@ -72,6 +73,11 @@ class StateCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         labels = ["worker", "dp_rank"]
+        stale = GaugeMetricFamily(
+            "kvrouter_worker_events_stale",
+            "1 if the worker took traffic but published no KV event for health.stale_events_s",
+            labels=["worker"],
+        )
         healthy = GaugeMetricFamily(
             "kvrouter_worker_healthy", "1 if the worker passes health checks", labels=["worker"]
         )
@@ -113,6 +119,7 @@ class StateCollector(Collector):
             if s.worker_id not in seen_workers:
                 seen_workers.add(s.worker_id)
                 healthy.add_metric([s.worker_id], 1.0 if s.healthy else 0.0)
+                stale.add_metric([s.worker_id], 1.0 if s.stale else 0.0)
             st = s.sub
             if st is not None:
                 ready = bool(getattr(st, "connected", False)) and bool(
@@ -137,6 +144,7 @@ class StateCollector(Collector):
                     blocks.add_metric([*lv, tier], float(n))
                 idx_orphans.add_metric(lv, float(getattr(ix, "orphan_blocks", 0)))
         yield healthy
+        yield stale
         yield connected
         yield lag
         yield last_seq

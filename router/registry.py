@@ -90,6 +90,7 @@ class WorkerState:
         self.last_error: str | None = None
         self.discovered_models: frozenset[str] = frozenset()
         self.scraped: ScrapedLoad | None = None
+        self.last_routed_at: float | None = None  # monotonic
         self.keys: list[WorkerKey] = [(config.id, r) for r in range(config.dp_ranks)]
         self.key_hashes = [worker_hash(k) for k in self.keys]
 
@@ -231,6 +232,14 @@ class Registry:
             except Exception:  # a bug here must not end health checking for good
                 log.exception("health check round failed")
             await asyncio.sleep(self.health.interval_s)
+
+    def events_stale(self, st: WorkerState, since_last_event: float | None) -> bool:
+        """Took traffic lately but published no event for ``stale_events_s``: its index view
+        is probably frozen (events misconfigured or lost), so placements on it are guesses."""
+        limit = self.health.stale_events_s
+        if st.last_routed_at is None or time.monotonic() - st.last_routed_at > limit:
+            return False
+        return since_last_event is None or since_last_event > limit
 
     def states(self) -> Iterable[WorkerState]:
         return self.workers.values()

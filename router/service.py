@@ -157,12 +157,16 @@ class RouterState:
         stats = self.subscriber.stats()
         out = []
         for st in self.registry.workers.values():
+            since = self.subscriber.seconds_since_last_message(st.id)
+            stale = self.registry.events_stale(st, since)
             for key in st.keys:
                 try:
                     ix = self.index.worker_stats(key)
                 except KeyError:
                     ix = None
                 out.append(WorkerSample(key[0], key[1], st.healthy, stats.get(key), ix))
+                out[-1].stale = stale
+
         return out
 
     # ---------------------------------------------------------------- placement
@@ -244,6 +248,7 @@ class RouterState:
             self.predicted.record(hashes[max(0, held) :], slot)
         m = self.metrics
         m.child(m.route_decisions, c.key[0], kind).inc()
+        d.states[i].last_routed_at = time.monotonic()
         if d.n:
             self.metrics.matched_ratio.observe(c.matched_blocks / d.n)
         return t

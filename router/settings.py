@@ -101,12 +101,14 @@ class HealthSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     unhealthy_after: int = 2
     path: str = "/health"
     scrape_metrics: bool = False
+    stale_events_s: float = 30.0
 
     def __post_init__(self) -> None:
         _check(self.interval_s > 0, "interval_s", "must be > 0")
         _check(self.timeout_s > 0, "timeout_s", "must be > 0")
         _check(self.unhealthy_after >= 1, "unhealthy_after", "must be >= 1")
         _check(self.path.startswith("/"), "path", "must start with '/'")
+        _check(self.stale_events_s > 0, "stale_events_s", "must be > 0")
 
 
 class ScoringSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

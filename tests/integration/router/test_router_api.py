@@ -171,3 +171,29 @@ async def test_metrics_and_health(workers, router, http):
         "kvrouter_events_gaps_total",
     ):
         assert name in text, name
+
+
+async def test_worker_serving_traffic_without_events_is_flagged(workers, router, http):
+    quiet = await workers("quiet", publish_on_request=False)
+    r = await router([quiet], health={"interval_s": 0.2, "stale_events_s": 10.0})
+    view = (await http.get(r.url + "/workers")).json()["workers"][0]
+    assert view["events_stale"] is False  # no traffic yet: nothing to say
+    assert (
+        await http.post(r.url + "/v1/completions", json={"prompt": "x" * 64})
+    ).status_code == 200
+
+    async def flagged() -> bool:
+        return (await http.get(r.url + "/workers")).json()["workers"][0]["events_stale"]
+
+    deadline = time.monotonic() + 20
+    while not await flagged():
+        assert time.monotonic() < deadline, "never flagged"
+        await asyncio.sleep(0.05)
+    text = (await http.get(r.url + "/metrics")).text
+    assert 'kvrouter_worker_events_stale{worker="quiet"} 1.0' in text
+    quiet.store(list(range(16)))  # an event arrives: no longer stale
+    deadline = time.monotonic() + 20
+    while await flagged():
+        assert time.monotonic() < deadline, "still flagged after an event"
+        await asyncio.sleep(0.05)
+    assert time.monotonic() - routed < 10.0  # the event cleared it, not the traffic ageing out
