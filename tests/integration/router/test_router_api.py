@@ -181,6 +181,7 @@ async def test_worker_serving_traffic_without_events_is_flagged(workers, router,
     assert (
         await http.post(r.url + "/v1/completions", json={"prompt": "x" * 64})
     ).status_code == 200
+    routed = time.monotonic()
 
     async def flagged() -> bool:
         return (await http.get(r.url + "/workers")).json()["workers"][0]["events_stale"]
