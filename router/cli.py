@@ -90,6 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=settings.log_level.upper() if settings.log_level != "trace" else "DEBUG",
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # httpx logs every health check at INFO: keep it for debugging only
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     config = uvicorn.Config(
         app,
         host=settings.host,
