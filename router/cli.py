@@ -91,7 +91,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     # httpx logs every health check at INFO: keep it for debugging only
-    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+    if settings.log_level not in ("debug", "trace"):
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     config = uvicorn.Config(
         app,
         host=settings.host,
