@@ -218,6 +218,12 @@ async def _housekeeping(state: RouterState) -> None:
         state.housekeeping()
 
 
+async def _snapshots(state: RouterState) -> None:
+    while True:
+        await asyncio.sleep(state.settings.snapshot.interval_s)
+        state.write_snapshot()
+
+
 def create_app(settings: Settings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -241,14 +247,22 @@ def create_app(settings: Settings) -> FastAPI:
             await state.subscriber.start()
             for w in settings.workers:
                 await state.add_worker(w)
+            configured = {w.id for w in settings.workers}
+            for key in state.index.workers():  # restored ranks of workers no longer configured
+                if key[0] not in configured:
+                    state.index.remove_worker(key[0])
             tasks.append(asyncio.create_task(state.registry.run(client), name="health"))
             tasks.append(asyncio.create_task(_housekeeping(state), name="housekeeping"))
+            if settings.snapshot.path:
+                tasks.append(asyncio.create_task(_snapshots(state), name="snapshots"))
             app.state.kv = state
             yield
         finally:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if tasks:  # it ran: keep what it learned for the next start
+                state.write_snapshot()
             await state.subscriber.aclose()
             await state.upstream.aclose()
             await client.aclose()

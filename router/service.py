@@ -14,6 +14,7 @@ and record its blocks as predicted there.
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
 from collections.abc import Mapping, Sequence
@@ -21,7 +22,7 @@ from collections.abc import Mapping, Sequence
 import httpx
 from prometheus_client import CollectorRegistry
 
-from indexer.index import PrefixIndex, WorkerKey, WorkerMatch
+from indexer.index import IndexError_, PrefixIndex, WorkerKey, WorkerMatch
 from indexer.subscriber import Subscriber, WorkerEndpoint
 from router.errors import BadRequest, Conflict, NoHealthyWorker, NotFound
 from router.load import LoadTracker, RouteAccounts, Ticket
@@ -63,6 +64,27 @@ class Decision:
         self.block_size = block_size
 
 
+def load_index(settings: Settings) -> tuple[PrefixIndex, dict[WorkerKey, int]]:
+    """The snapshotted index when ``snapshot.path`` holds a usable one, else an empty index."""
+    path = settings.snapshot.path
+    if path and os.path.exists(path):
+        try:
+            index, seqs = PrefixIndex.restore(path)
+        except (IndexError_, OSError, ValueError) as e:
+            log.warning("index snapshot %s not loaded, starting empty: %s", path, e)
+        else:
+            if index.block_size == settings.block_size:
+                log.info("index restored from %s (%d blocks)", path, len(index))
+                return index, seqs
+            log.warning(
+                "index snapshot %s has block size %d, not %d: starting empty",
+                path,
+                index.block_size,
+                settings.block_size,
+            )
+    return PrefixIndex(settings.block_size), {}
+
+
 class RouterState:
     def __init__(self, settings: Settings, client: httpx.AsyncClient) -> None:
         self.settings = settings
@@ -74,10 +96,12 @@ class RouterState:
             write_s=p.write_timeout_s,
             max_idle_per_origin=p.max_connections,
         )
-        self.index = PrefixIndex(settings.block_size)
+        self.index, seqs = load_index(settings)
         self.subscriber = Subscriber(
             self.index, replay_timeout=settings.subscriber.replay_timeout_s
         )
+        if seqs:  # resume each worker rank after its snapshotted seq (replay closes the gap)
+            self.subscriber.restore_seqs(seqs)
         sc = settings.scoring
         self.weights = ScoreWeights(
             overlap_weight=sc.overlap_weight,
@@ -252,6 +276,19 @@ class RouterState:
         if d.n:
             self.metrics.matched_ratio.observe(c.matched_blocks / d.n)
         return t
+
+    def write_snapshot(self) -> None:
+        """Index + last applied seq per rank to ``snapshot.path`` (atomic), on the event loop
+        like every index read."""
+        path = self.settings.snapshot.path
+        if not path:
+            return
+        stats = self.subscriber.stats()
+        seqs = {k: st.last_seq for k, st in stats.items() if st.last_seq is not None}
+        try:
+            self.index.snapshot(path, seqs)
+        except OSError as e:
+            log.warning("index snapshot to %s failed: %s", path, e)
 
     def housekeeping(self) -> None:
         """Periodic: expire accounted routes and predictions, refresh gauges."""

@@ -26,6 +26,7 @@ __all__ = [
     "RouteSettings",
     "ScoringSettings",
     "Settings",
+    "SnapshotSettings",
     "SubscriberSettings",
     "WorkerConfig",
     "load_settings",
@@ -170,6 +171,14 @@ class SubscriberSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True
         _check(self.replay_timeout_s > 0, "replay_timeout_s", "must be > 0")
 
 
+class SnapshotSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    path: str | None = None
+    interval_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        _check(self.interval_s > 0, "interval_s", "must be > 0")
+
+
 class Settings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     host: str = "127.0.0.1"
     port: int = 8000
@@ -182,6 +191,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     scoring: ScoringSettings = msgspec.field(default_factory=ScoringSettings)
     route: RouteSettings = msgspec.field(default_factory=RouteSettings)
     subscriber: SubscriberSettings = msgspec.field(default_factory=SubscriberSettings)
+    snapshot: SnapshotSettings = msgspec.field(default_factory=SnapshotSettings)
     workers: list[WorkerConfig] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:

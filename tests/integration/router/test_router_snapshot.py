@@ -1,0 +1,34 @@
+"""Index snapshots: written at shutdown, loaded at start, then the worker replays from seq + 1."""
+
+from __future__ import annotations
+
+from router_fakeworker import wait_for
+
+
+async def test_restart_restores_the_index_and_replays_only_what_is_new(
+    workers, router, http, tmp_path
+):
+    path = str(tmp_path / "index.snap")
+    a = await workers("a")
+    tokens = list(range(64))
+    r1 = await router([a], snapshot={"path": path, "interval_s": 3600})
+    a.store(tokens)  # seq 0
+    await wait_for(lambda: r1.matched(tokens, "a") == 4, 20, "events applied")
+    await r1.server.stop()  # the lifespan writes the snapshot
+
+    a.replay_mode = "hold"  # from now on nothing comes back by replay: only the file can help
+    before = len(a.replay_requests)
+    r2 = await router([a], ready=False, snapshot={"path": path, "interval_s": 3600})
+    body = (await http.post(r2.url + "/route", json={"token_ids": tokens})).json()
+    assert body["cached_blocks"] == 4 and body["worker_id"] == "a"
+    await wait_for(lambda: len(a.replay_requests) > before, 20, "replay request")
+    assert a.replay_requests[-1] == 1  # resumes after the snapshotted seq 0
+
+
+async def test_unusable_snapshot_starts_empty(workers, router, http, tmp_path):
+    path = tmp_path / "index.snap"
+    path.write_bytes(b"not a snapshot")
+    a = await workers("a")
+    r = await router([a], snapshot={"path": str(path)})
+    body = (await http.post(r.url + "/route", json={"token_ids": list(range(64))})).json()
+    assert body["cached_blocks"] == 0
