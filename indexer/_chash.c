@@ -84,9 +84,82 @@ fail:
     return NULL;
 }
 
+/* The same hashes straight from the JSON text of a token array (the raw `token_ids` of a /route
+ * body): no Python int is created per token. Returns (hashes, n_tokens), or None when the text is
+ * not a plain array of non-negative JSON integers below 2**64 -- the caller then decodes it the
+ * ordinary way, which also produces the error message. */
+static inline const unsigned char *skip_ws(const unsigned char *p, const unsigned char *end) {
+    while (p < end && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')) p++;
+    return p;
+}
+
+static PyObject *chain_hashes_json(PyObject *self, PyObject *args) {
+    Py_buffer view;
+    Py_ssize_t bs;
+    unsigned long long parent;
+    if (!PyArg_ParseTuple(args, "y*nK", &view, &bs, &parent)) return NULL;
+    if (bs <= 0) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "block_size must be positive");
+        return NULL;
+    }
+    const unsigned char *p = (const unsigned char *)view.buf;
+    const unsigned char *end = p + view.len;
+    PyObject *out = PyList_New(0);
+    if (out == NULL) { PyBuffer_Release(&view); return NULL; }
+    uint64_t h = (uint64_t)parent, x = h ^ K3;
+    Py_ssize_t k = 0, n = 0;
+    p = skip_ws(p, end);
+    if (p >= end || *p != '[') goto not_plain;
+    p = skip_ws(p + 1, end);
+    if (p < end && *p == ']') { p++; goto closed; }
+    for (;;) {
+        if (p >= end || *p < '0' || *p > '9') goto not_plain;
+        if (*p == '0' && p + 1 < end && p[1] >= '0' && p[1] <= '9') goto not_plain;
+        uint64_t v = 0;
+        while (p < end && *p >= '0' && *p <= '9') {
+            uint64_t d = (uint64_t)(*p - '0');
+            if (v > (UINT64_MAX - d) / 10) goto not_plain;
+            v = v * 10 + d;
+            p++;
+        }
+        x ^= v * K2;
+        x = rotl64(x, 31) * K1;
+        n++;
+        if (++k == bs) {
+            h = fmix64(x ^ (uint64_t)bs);
+            PyObject *hv = PyLong_FromUnsignedLongLong(h);
+            if (hv == NULL || PyList_Append(out, hv) < 0) {
+                Py_XDECREF(hv);
+                Py_DECREF(out);
+                PyBuffer_Release(&view);
+                return NULL;
+            }
+            Py_DECREF(hv);
+            x = h ^ K3;
+            k = 0;
+        }
+        p = skip_ws(p, end);
+        if (p < end && *p == ',') { p = skip_ws(p + 1, end); continue; }
+        if (p < end && *p == ']') { p++; break; }
+        goto not_plain;
+    }
+closed:
+    p = skip_ws(p, end);
+    if (p != end) goto not_plain;
+    PyBuffer_Release(&view);
+    return Py_BuildValue("(Nn)", out, n);
+not_plain:
+    Py_DECREF(out);
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"chain_hashes", chain_hashes, METH_VARARGS,
      "chain_hashes(token_ids, block_size, parent) -> list of the chained 64-bit hash of each full block"},
+    {"chain_hashes_json", chain_hashes_json, METH_VARARGS,
+     "chain_hashes_json(json_array_bytes, block_size, parent) -> (hashes, n_tokens) or None"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -13,7 +13,15 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from router.api import CandidateOut, RouteOut, RouteRequest, check_messages, decode, encode
+from router.api import (
+    CandidateOut,
+    JsonTokens,
+    RouteOut,
+    RouteRequest,
+    check_messages,
+    decode,
+    encode,
+)
 from router.errors import BadRequest, NoHealthyWorker, PayloadTooLarge, RouterError
 from router.errors import error_response as _error_response
 from router.scoring import tier_breakdown
@@ -28,8 +36,10 @@ async def route_answer(state: RouterState, body: bytes) -> bytes:
     """The JSON answer to a ``/route`` body; raises :class:`RouterError` subclasses."""
     t0 = time.perf_counter()
     req = decode(body, RouteRequest)
-    if req.token_ids is not None:
-        tokens: list[int] = req.token_ids
+    tokens: list[int] | JsonTokens
+    raw = req.token_ids
+    if len(raw) and memoryview(raw)[:4] != b"null":
+        tokens = JsonTokens(raw)
     elif req.prompt is not None:
         tokens = await state.tokenizer.encode(req.prompt, req.model)
     elif req.messages:

@@ -22,8 +22,10 @@ from collections.abc import Mapping, Sequence
 import httpx
 from prometheus_client import CollectorRegistry
 
+from indexer.hashing import namespace_seed
 from indexer.index import IndexError_, PrefixIndex, WorkerKey, WorkerMatch
 from indexer.subscriber import Subscriber, WorkerEndpoint
+from router.api import JsonTokens
 from router.errors import BadRequest, Conflict, NoHealthyWorker, NotFound
 from router.load import LoadTracker, RouteAccounts, Ticket
 from router.metrics import RouterMetrics, StateCollector, WorkerSample
@@ -196,7 +198,10 @@ class RouterState:
     # ---------------------------------------------------------------- placement
 
     def place(
-        self, token_ids: Sequence[int], model: str | None = None, lora_name: str | None = None
+        self,
+        token_ids: Sequence[int] | JsonTokens,
+        model: str | None = None,
+        lora_name: str | None = None,
     ) -> Decision:
         """Score every rank that may serve ``model``. Raises :class:`NotFound` for an unknown
         model; an empty ``order`` means no healthy worker (the caller answers 503)."""
@@ -216,7 +221,11 @@ class RouterState:
             entry = by_ns.get(ns)
             if entry is None:
                 try:
-                    hashes = index.request_hashes(token_ids, model=ns, lora_name=lora_name)
+                    if isinstance(token_ids, JsonTokens):
+                        seed = namespace_seed(ns, lora_name)
+                        hashes = token_ids.hashes(index.block_size, seed)
+                    else:
+                        hashes = index.request_hashes(token_ids, model=ns, lora_name=lora_name)
                 except (TypeError, OverflowError, ValueError) as e:
                     raise BadRequest(f"token_ids: {e}") from e
                 # a request that meets no prediction keeps the index's fast path
@@ -241,10 +250,15 @@ class RouterState:
                 candidates.append(c)
                 cand_hashes.append(hashes)
                 cand_states.append(st)
+        if isinstance(token_ids, JsonTokens):
+            count = token_ids.count if token_ids.count >= 0 else len(token_ids.tokens())
+        else:
+            count = len(token_ids)
         if cand_hashes and cand_hashes[0]:
             request_key = cand_hashes[0][-1]
-        else:
-            request_key = hash(tuple(token_ids)) & _M64
+        else:  # no full block: small, and tuples of ints hash the same in every process
+            tokens = token_ids.tokens() if isinstance(token_ids, JsonTokens) else token_ids
+            request_key = hash(tuple(tokens)) & _M64
         order = rank(
             candidates,
             n,
@@ -255,7 +269,7 @@ class RouterState:
         )
         self.metrics.decision_latency.observe(time.perf_counter() - t0)
         return Decision(
-            n, candidates, cand_hashes, order, cand_states, self.index.block_size, len(token_ids)
+            n, candidates, cand_hashes, order, cand_states, self.index.block_size, count
         )
 
     def commit(self, d: Decision, i: int, *, kind: str) -> Ticket:

@@ -1,0 +1,48 @@
+"""``token_ids`` hashed straight from JSON text must equal the index's own request hashes."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import msgspec
+import pytest
+
+import router.api as api
+from indexer.hashing import namespace_seed
+from indexer.index import PrefixIndex
+from router.api import JsonTokens, RouteRequest, decode
+from router.errors import UnprocessableEntity
+
+
+def _raw(body: bytes) -> msgspec.Raw:
+    return decode(body, RouteRequest).token_ids
+
+
+@pytest.mark.parametrize("c_path", [True, False])
+def test_same_hashes_as_the_index(c_path, monkeypatch):
+    if not c_path:
+        monkeypatch.setattr(api, "_hash_json", None)
+    rng = random.Random(3)
+    idx = PrefixIndex(16)
+    for _ in range(300):
+        tokens = [rng.randrange(1 << rng.choice((8, 17, 32))) for _ in range(rng.randrange(0, 200))]
+        sep = rng.choice([(",", ":"), (", ", ": ")])
+        body = json.dumps({"model": "m", "token_ids": tokens}, separators=sep).encode()
+        jt = JsonTokens(_raw(body))
+        seed = namespace_seed("m", "lora")
+        assert jt.hashes(16, seed) == idx.request_hashes(tokens, model="m", lora_name="lora")
+        assert jt.count == len(tokens)
+        assert jt.tokens() == tokens
+
+
+def test_declined_texts_fall_back_or_name_the_field():
+    idx = PrefixIndex(4)
+    neg = JsonTokens(_raw(b'{"token_ids": [-1, 2, 3, 4]}'))  # not plain: decoded, same hashes
+    assert neg.hashes(4, namespace_seed()) == idx.request_hashes([-1, 2, 3, 4])
+    with pytest.raises(UnprocessableEntity, match=r"token_ids\[1\]: expected `int`"):
+        JsonTokens(_raw(b'{"token_ids": [1, "x", 3, 4]}')).hashes(4, 0)
+    with pytest.raises(UnprocessableEntity, match="token_ids: expected `array`"):
+        JsonTokens(_raw(b'{"token_ids": "abc"}')).hashes(4, 0)
+    with pytest.raises(UnprocessableEntity, match=r"token_ids\[0\]: expected `int`"):
+        JsonTokens(_raw(b'{"token_ids": [1.5, 2, 3, 4]}')).hashes(4, 0)
