@@ -116,12 +116,16 @@ static PyObject *chain_hashes_json(PyObject *self, PyObject *args) {
     for (;;) {
         if (p >= end || *p < '0' || *p > '9') goto not_plain;
         if (*p == '0' && p + 1 < end && p[1] >= '0' && p[1] <= '9') goto not_plain;
+        const unsigned char *digits = p;
         uint64_t v = 0;
-        while (p < end && *p >= '0' && *p <= '9') {
-            uint64_t d = (uint64_t)(*p - '0');
-            if (v > (UINT64_MAX - d) / 10) goto not_plain;
-            v = v * 10 + d;
-            p++;
+        while (p < end && (unsigned)(*p - '0') < 10u) v = v * 10 + (uint64_t)(*p++ - '0');
+        if (p - digits > 19) { /* 20 digits may overflow (more always do): check the slow way */
+            if (p - digits > 20) goto not_plain;
+            v = 0;
+            for (const unsigned char *q = digits; q < p; q++) {
+                if (__builtin_mul_overflow(v, 10u, &v) || __builtin_add_overflow(v, (uint64_t)(*q - '0'), &v))
+                    goto not_plain;
+            }
         }
         x ^= v * K2;
         x = rotl64(x, 31) * K1;
