@@ -78,7 +78,7 @@ class WorkerIn(msgspec.Struct, forbid_unknown_fields=True):
     model: str = ""
 
 
-class CandidateOut(msgspec.Struct):
+class CandidateOut(msgspec.Struct, gc=False):
     worker_id: str
     dp_rank: int
     healthy: bool
@@ -93,7 +93,7 @@ class CandidateOut(msgspec.Struct):
     cost: float
 
 
-class RouteOut(msgspec.Struct, omit_defaults=True):
+class RouteOut(msgspec.Struct, omit_defaults=True, gc=False):
     worker_id: str
     dp_rank: int
     url: str

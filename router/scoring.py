@@ -28,8 +28,6 @@ from collections.abc import Mapping, Sequence
 
 import msgspec
 
-from indexer.events import CANONICAL_TIERS
-
 __all__ = [
     "Candidate",
     "ScoreWeights",
@@ -71,7 +69,7 @@ class ScoreWeights(msgspec.Struct, frozen=True):
         return w
 
 
-class Candidate(msgspec.Struct):
+class Candidate(msgspec.Struct, gc=False):
     """One worker rank as the scorer sees it. Filled by the router, scored here."""
 
     key: WorkerKey
@@ -184,7 +182,13 @@ def _sample(costs: Sequence[float], temperature: float, rng: random.Random) -> i
 
 def tier_breakdown(by_tier: Mapping[str, int]) -> dict[str, int]:
     """The four canonical tiers always present (0 when absent), then any unknown tier names."""
-    out = {t: by_tier.get(t, 0) for t in CANONICAL_TIERS}
+    get = by_tier.get
+    out = {
+        "GPU": get("GPU", 0),
+        "CPU_PINNED": get("CPU_PINNED", 0),
+        "DISK": get("DISK", 0),
+        "EXTERNAL": get("EXTERNAL", 0),
+    }
     for t, m in by_tier.items():
         if t not in out:
             out[t] = m
