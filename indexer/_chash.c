@@ -159,11 +159,131 @@ not_plain:
     Py_RETURN_NONE;
 }
 
+
+/* ---- index hot paths: GPU stores and removals on a worker with no colliding router blocks.
+ * Each stops at the first block that needs the general Python path and returns its index, so
+ * Python stays the authority on every rare case. Same semantics as the Python fallbacks in
+ * indexer/index.py (_py_store_gpu, _py_remove_gpu); the index tests run both. */
+
+static inline uint64_t block_hash(uint64_t parent, PyObject **blk, Py_ssize_t bs, int *err) {
+    uint64_t x = parent ^ K3;
+    for (Py_ssize_t k = 0; k < bs; k++) {
+        PyObject *item = blk[k];
+        uint64_t t;
+        if (!PyLong_Check(item)) {
+            PyErr_SetString(PyExc_TypeError, "token_ids must hold ints");
+            *err = 1;
+            return 0;
+        }
+        if (!small_token(item, &t)) {
+            t = (uint64_t)PyLong_AsUnsignedLongLongMask(item);
+            if (t == (uint64_t)-1 && PyErr_Occurred()) { *err = 1; return 0; }
+        }
+        x ^= t * K2;
+        x = rotl64(x, 31) * K1;
+    }
+    return fmix64(x ^ (uint64_t)bs);
+}
+
+/* store_gpu(table, present, wbit, hashes, start, tokens, block_size, parent) -> stop index
+ * tokens[0] is the first token of block ``start``. */
+static PyObject *store_gpu(PyObject *self, PyObject *args) {
+    PyObject *table, *present, *wbit, *hashes, *tokens;
+    Py_ssize_t start, bs;
+    unsigned long long parent;
+    if (!PyArg_ParseTuple(args, "O!O!OO!nOnK", &PyDict_Type, &table, &PyDict_Type, &present, &wbit,
+                          &PyList_Type, &hashes, &start, &tokens, &bs, &parent))
+        return NULL;
+    if (bs <= 0) { PyErr_SetString(PyExc_ValueError, "block_size must be positive"); return NULL; }
+    PyObject *fast = PySequence_Fast(tokens, "token_ids must be a sequence of ints");
+    if (fast == NULL) return NULL;
+    Py_ssize_t ntok = PySequence_Fast_GET_SIZE(fast);
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    Py_ssize_t n = PyList_GET_SIZE(hashes);
+    if (start + ntok / bs < n) n = start + ntok / bs;
+    uint64_t h = (uint64_t)parent;
+    Py_ssize_t i = start;
+    for (; i < n; i++) {
+        PyObject *e = PyList_GET_ITEM(hashes, i);
+        int has = PyDict_Contains(table, e);
+        if (has < 0) goto fail;
+        if (has) break;
+        int err = 0;
+        h = block_hash(h, items + (i - start) * bs, bs, &err);
+        if (err) goto fail;
+        PyObject *hv = PyLong_FromUnsignedLongLong(h);
+        if (hv == NULL) goto fail;
+        PyObject *m = PyDict_GetItemWithError(present, hv); /* borrowed */
+        PyObject *nm;
+        if (m == NULL) {
+            if (PyErr_Occurred()) { Py_DECREF(hv); goto fail; }
+            nm = wbit;
+            Py_INCREF(nm);
+        } else {
+            PyObject *both = PyNumber_And(m, wbit);
+            if (both == NULL) { Py_DECREF(hv); goto fail; }
+            int collide = PyObject_IsTrue(both);
+            Py_DECREF(both);
+            if (collide) { Py_DECREF(hv); break; }
+            nm = PyNumber_Or(m, wbit);
+            if (nm == NULL) { Py_DECREF(hv); goto fail; }
+        }
+        if (PyDict_SetItem(table, e, hv) < 0 || PyDict_SetItem(present, hv, nm) < 0) {
+            Py_DECREF(hv); Py_DECREF(nm); goto fail;
+        }
+        Py_DECREF(hv);
+        Py_DECREF(nm);
+    }
+    Py_DECREF(fast);
+    return PyLong_FromSsize_t(i);
+fail:
+    Py_DECREF(fast);
+    return NULL;
+}
+
+/* remove_gpu(table, emask, present, keep, hashes, start) -> stop index */
+static PyObject *remove_gpu(PyObject *self, PyObject *args) {
+    PyObject *table, *emask, *present, *keep, *hashes;
+    Py_ssize_t start;
+    if (!PyArg_ParseTuple(args, "O!O!O!OO!n", &PyDict_Type, &table, &PyDict_Type, &emask,
+                          &PyDict_Type, &present, &keep, &PyList_Type, &hashes, &start))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(hashes);
+    Py_ssize_t i = start;
+    for (; i < n; i++) {
+        PyObject *e = PyList_GET_ITEM(hashes, i);
+        PyObject *h = PyDict_GetItemWithError(table, e);
+        if (h == NULL) { if (PyErr_Occurred()) return NULL; break; }
+        int special = PyDict_Contains(emask, e);
+        if (special < 0) return NULL;
+        if (special) break;
+        Py_INCREF(h);
+        PyObject *m = PyDict_GetItemWithError(present, h);
+        if (m == NULL) {
+            Py_DECREF(h);
+            if (PyErr_Occurred()) return NULL;
+            break; /* inconsistent: let Python decide */
+        }
+        PyObject *nm = PyNumber_And(m, keep);
+        if (nm == NULL) { Py_DECREF(h); return NULL; }
+        int alive = PyObject_IsTrue(nm);
+        int rc = alive ? PyDict_SetItem(present, h, nm) : PyDict_DelItem(present, h);
+        Py_DECREF(nm);
+        if (rc < 0 || PyDict_DelItem(table, e) < 0) { Py_DECREF(h); return NULL; }
+        Py_DECREF(h);
+    }
+    return PyLong_FromSsize_t(i);
+}
+
 static PyMethodDef methods[] = {
     {"chain_hashes", chain_hashes, METH_VARARGS,
      "chain_hashes(token_ids, block_size, parent) -> list of the chained 64-bit hash of each full block"},
     {"chain_hashes_json", chain_hashes_json, METH_VARARGS,
      "chain_hashes_json(json_array_bytes, block_size, parent) -> (hashes, n_tokens) or None"},
+    {"store_gpu", store_gpu, METH_VARARGS,
+     "store_gpu(table, present, wbit, hashes, start, tokens, block_size, parent) -> stop index"},
+    {"remove_gpu", remove_gpu, METH_VARARGS,
+     "remove_gpu(table, emask, present, keep, hashes, start) -> stop index"},
     {NULL, NULL, 0, NULL},
 };
 

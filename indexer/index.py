@@ -54,7 +54,6 @@ SGLANG_ROOT_PARENT = 5740354900026072187
 
 #: Bits of a per-(block, worker) tier mask kept in a packed table value; tier i is bit i.
 _TIER_BITS = 16
-_TIER_MASK = (1 << _TIER_BITS) - 1
 _MAX_TIERS = _TIER_BITS
 
 
@@ -91,16 +90,29 @@ class WorkerIndexStats:
 
 
 class _Worker:
-    __slots__ = ("bit", "key", "model", "multi", "rechunk", "slot", "stats", "table", "tier_counts")
+    __slots__ = (
+        "bit",
+        "emask",
+        "key",
+        "model",
+        "multi",
+        "rechunk",
+        "slot",
+        "stats",
+        "table",
+        "tier_counts",
+    )
 
     def __init__(self, key: WorkerKey, slot: int, model: str) -> None:
         self.key = key
         self.slot = slot
         self.bit = 1 << slot
         self.model = model
-        # engine hash -> (router hash << _TIER_BITS) | tier mask: one int per entry keeps the
-        # per-(block, worker) cost near one dict slot and two ints.
+        # engine hash -> router hash. The router hash object is also the global map's key when
+        # this worker brought the block in, so a GPU-only entry costs one dict slot and one int.
         self.table: dict[EngineHash, int] = {}
+        # engine hash -> its tier mask, only for blocks not held on GPU alone (mask != 1)
+        self.emask: dict[EngineHash, int] = {}
         # router hash -> {engine hash | None: tier mask} for the rare router block that several
         # engine blocks of this worker map to (same tokens, different cache salt or extra keys).
         # ``None`` stands for the engine blocks that held it before the collision was seen.
@@ -226,28 +238,26 @@ class PrefixIndex:
         elif type(ev) is BlockRemoved:
             w.stats.removed_events += 1
             t = self._tier_id(ev.tier)
-            table = w.table
-            present = self._present
-            keep = ~w.bit
-            for e in ev.block_hashes:
-                packed = table.get(e)
-                if packed is not None:
-                    if t == 0 and packed & _TIER_MASK == 1 and not w.multi:
-                        # Hot path: a GPU-only block leaves; only the presence map changes.
-                        del table[e]
-                        w.tier_counts[0] -= 1
-                        h = packed >> _TIER_BITS
-                        m = present[h] & keep
-                        if m:
-                            present[h] = m
-                        else:
-                            del present[h]
-                    else:
-                        self._remove_tier(w, e, t)
+            hashes = ev.block_hashes
+            if type(hashes) is not list:
+                hashes = list(hashes)
+            i, n = 0, len(hashes)
+            while i < n:
+                if t == 0 and not w.multi:
+                    # Hot path: GPU-only blocks leave; only the presence map changes.
+                    stop = _remove_gpu(w.table, w.emask, self._present, ~w.bit, hashes, i)
+                    w.tier_counts[0] -= stop - i
+                    i = stop
+                    if i == n:
+                        break
+                e = hashes[i]
+                if e in w.table:
+                    self._remove_tier(w, e, t)
                 elif w.rechunk is not None and e in w.rechunk.blocks:
                     w.rechunk.remove(e, t)
                 else:
                     w.stats.unknown_removals += 1
+                i += 1
         elif type(ev) is AllBlocksCleared:
             self._drop_entries(w)
             w.stats.cleared += 1
@@ -284,14 +294,13 @@ class PrefixIndex:
         if first_new == len(hashes):
             return
         if first_new:
-            parent_packed = table[hashes[first_new - 1]]
-            parent_h = parent_packed >> _TIER_BITS
+            parent_h = table[hashes[first_new - 1]]
         else:
             parent = ev.parent_block_hash
             if parent is None:
                 parent_h = self._seed(w, ev.lora_name, ev.lora_id)
             elif parent in table:
-                parent_h = table[parent] >> _TIER_BITS
+                parent_h = table[parent]
             elif w.rechunk is not None and parent in w.rechunk.blocks:
                 w.stats.orphans += 1
                 w.stats.orphan_blocks += len(hashes)
@@ -307,55 +316,50 @@ class PrefixIndex:
         tokens = ev.token_ids
         if first_new:
             tokens = tokens[first_new * bs :]
-        router = chain_hashes(tokens, bs, parent_h)
-        n = len(hashes) - first_new
-        if len(router) < n:
+        n_full = min(len(hashes), first_new + len(tokens) // bs)
+        if n_full < len(hashes):
             # token ids missing for the tail: those blocks cannot be chained
             w.stats.orphans += 1
-            w.stats.orphan_blocks += n - len(router)
+            w.stats.orphan_blocks += len(hashes) - n_full
+        i = first_new
         if t == 0 and not w.multi:
             # Hot path (a GPU store on a worker with no colliding router blocks): only the
-            # presence map changes, so it is updated inline rather than through set_mask.
-            present = self._present
-            wbit = w.bit
-            added = 0
-            for e, h in zip(hashes[first_new:], router):
-                if e in table:
-                    self._add_tier(w, e, bit, t)
-                    continue
-                table[e] = (h << _TIER_BITS) | 1
-                m = present.get(h, 0)
-                if m & wbit:
-                    w.tier_counts[0] += 1
-                    self._router_add(w, h, e, bit)
-                else:
-                    present[h] = m | wbit
-                    added += 1
-            w.tier_counts[0] += added
-            return
-        for e, h in zip(hashes[first_new:], router):
-            if e in table:  # the same engine hash twice in one event
+            # presence map changes. Stops at the first block that needs the general path.
+            if type(hashes) is not list:
+                hashes = list(hashes)
+            i = _store_gpu(table, self._present, w.bit, hashes, i, tokens, bs, parent_h)
+            w.tier_counts[0] += i - first_new
+            if i == n_full:
+                return
+            if i > first_new:
+                parent_h = table[hashes[i - 1]]
+                tokens = tokens[(i - first_new) * bs :]
+        router = chain_hashes(tokens, bs, parent_h)
+        emask = w.emask
+        for e, h in zip(hashes[i:n_full], router):
+            if e in table:  # the same engine hash twice in one event, or a re-store
                 self._add_tier(w, e, bit, t)
                 continue
-            table[e] = (h << _TIER_BITS) | bit
+            table[e] = h
+            if bit != 1:
+                emask[e] = bit
             w.tier_counts[t] += 1
             self._router_add(w, h, e, bit)
 
     def _add_tier(self, w: _Worker, e: EngineHash, bit: int, t: int) -> None:
-        packed = w.table[e]
-        if packed & bit:
+        own = w.emask.get(e, 1)
+        if own & bit:
             return
-        packed |= bit
-        w.table[e] = packed
+        own |= bit
+        w.emask[e] = own
         w.tier_counts[t] += 1
-        h = packed >> _TIER_BITS
+        h = w.table[e]
         multi = w.multi.get(h)
         if multi is None:
-            old = (packed & _TIER_MASK) & ~bit
-            self.set_mask(w, h, old, old | bit)
+            self.set_mask(w, h, own & ~bit, own)
         else:
             old = _or_all(multi)
-            multi[e if e in multi else None] = packed & _TIER_MASK
+            multi[e if e in multi else None] = own
             self.set_mask(w, h, old, old | bit)
 
     def _router_add(self, w: _Worker, h: int, e: EngineHash, bit: int) -> None:
@@ -376,19 +380,21 @@ class PrefixIndex:
         self.set_mask(w, h, 0, bit)
 
     def _remove_tier(self, w: _Worker, e: EngineHash, t: int) -> None:
-        packed = w.table[e]
+        own = w.emask.get(e, 1)
         bit = 1 << t
-        if not packed & bit:
+        if not own & bit:
             w.stats.unknown_removals += 1
             return
         w.tier_counts[t] -= 1
-        packed &= ~bit
-        own = packed & _TIER_MASK
-        h = packed >> _TIER_BITS
-        if own:
-            w.table[e] = packed
+        own &= ~bit
+        h = w.table[e]
+        if own == 1:
+            del w.emask[e]
+        elif own:
+            w.emask[e] = own
         else:
             del w.table[e]
+            w.emask.pop(e, None)
         multi = w.multi.get(h)
         if multi is None:
             self.set_mask(w, h, own | bit, own)
@@ -428,6 +434,7 @@ class PrefixIndex:
                 for h in dead:
                     del d[h]
         w.table = {}
+        w.emask = {}
         w.multi = {}
         w.rechunk = None
         w.tier_counts = [0] * _MAX_TIERS
@@ -662,7 +669,8 @@ class PrefixIndex:
         """Engine hashes per tier on one worker: the listing the engines' ground-truth tests use."""
         w = self._workers[key]
         out: dict[str, set[EngineHash]] = {}
-        items: list[tuple[EngineHash, int]] = [(e, p & _TIER_MASK) for e, p in w.table.items()]
+        emask = w.emask
+        items: list[tuple[EngineHash, int]] = [(e, emask.get(e, 1)) for e in w.table]
         if w.rechunk is not None:
             items += [(e, b.tiers) for e, b in w.rechunk.blocks.items()]
         for e, mask in items:
@@ -691,6 +699,66 @@ class PrefixIndex:
             "block_size": self.block_size,
             "tiers": self._tier_names,
         }
+
+
+def _py_store_gpu(
+    table: dict[EngineHash, int],
+    present: dict[int, int],
+    wbit: int,
+    hashes: list[EngineHash],
+    start: int,
+    tokens: Sequence[int],
+    block_size: int,
+    parent: int,
+) -> int:
+    """Python twin of ``indexer._chash.store_gpu``: GPU-store blocks from ``start`` until one
+    is already known or collides with another engine block of this worker; return where it stopped."""
+    n = min(len(hashes), start + len(tokens) // block_size)
+    router = chain_hashes(tokens[: (n - start) * block_size], block_size, parent)
+    i = start
+    for e, h in zip(hashes[start:n], router):
+        if e in table:
+            break
+        m = present.get(h, 0)
+        if m & wbit:
+            break
+        table[e] = h
+        present[h] = m | wbit
+        i += 1
+    return i
+
+
+def _py_remove_gpu(
+    table: dict[EngineHash, int],
+    emask: dict[EngineHash, int],
+    present: dict[int, int],
+    keep: int,
+    hashes: list[EngineHash],
+    start: int,
+) -> int:
+    """Python twin of ``indexer._chash.remove_gpu``: drop GPU-only blocks from ``start`` until
+    one needs the general path; return where it stopped."""
+    i = start
+    for e in hashes[start:]:
+        h = table.get(e)
+        if h is None or e in emask or h not in present:
+            break
+        m = present[h] & keep
+        if m:
+            present[h] = m
+        else:
+            del present[h]
+        del table[e]
+        i += 1
+    return i
+
+
+try:
+    from indexer._chash import remove_gpu as _remove_gpu
+    from indexer._chash import store_gpu as _store_gpu
+except ImportError:  # pragma: no cover - only where the extension could not be built
+    _store_gpu = _py_store_gpu
+    _remove_gpu = _py_remove_gpu
 
 
 def _or_all(d: Mapping[Any, int]) -> int:

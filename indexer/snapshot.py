@@ -61,8 +61,6 @@ _encoder = msgspec.msgpack.Encoder()
 def write_snapshot(
     index: PrefixIndex, path: str | os.PathLike[str], seqs: Mapping[WorkerKey, int]
 ) -> None:
-    from indexer.index import _TIER_BITS, _TIER_MASK
-
     seq_map = dict(seqs)
     workers = []
     for key, w in index._workers.items():
@@ -72,8 +70,8 @@ def write_snapshot(
             model=w.model,
             seq=seq_map.get(key),
             engine_hashes=list(w.table),
-            router_hashes=[v >> _TIER_BITS for v in w.table.values()],
-            tiers=[v & _TIER_MASK for v in w.table.values()],
+            router_hashes=list(w.table.values()),
+            tiers=[w.emask.get(e, 1) for e in w.table],
         )
         rc = w.rechunk
         if rc is not None:
@@ -120,7 +118,9 @@ def read_snapshot(
             seqs[key] = ws.seq
         per_router: dict[int, dict] = {}
         for e, h, m in zip(ws.engine_hashes, ws.router_hashes, ws.tiers):
-            w.table[e] = (h << _TIER_BITS) | m
+            w.table[e] = h
+            if m != 1:
+                w.emask[e] = m
             per_router.setdefault(h, {})[e] = m
             for t in range(_TIER_BITS):
                 if m >> t & 1:

@@ -311,3 +311,27 @@ class IndexMachine(RuleBasedStateMachine):
 
 IndexMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 TestIndexMachine = IndexMachine.TestCase
+
+
+class PyFallbackIndexMachine(IndexMachine):
+    """The same model check with the pure-Python twins of the C hot paths."""
+
+    @initialize()
+    def setup(self) -> None:
+        import indexer.index as mod
+
+        self._saved = (mod._store_gpu, mod._remove_gpu)
+        mod._store_gpu, mod._remove_gpu = mod._py_store_gpu, mod._py_remove_gpu
+        super().setup()
+
+    def teardown(self) -> None:
+        import indexer.index as mod
+
+        if hasattr(self, "_saved"):
+            mod._store_gpu, mod._remove_gpu = self._saved
+
+
+PyFallbackIndexMachine.TestCase.settings = settings(
+    max_examples=30, stateful_step_count=30, deadline=None
+)
+TestPyFallbackIndexMachine = PyFallbackIndexMachine.TestCase
