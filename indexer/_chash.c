@@ -275,6 +275,90 @@ static PyObject *remove_gpu(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(i);
 }
 
+
+/* lengths[slot] = value for every set bit of mask (a non-negative int of at most nslots bits) */
+static int spread_bits(PyObject *mask, PyObject *lengths, Py_ssize_t value) {
+    Py_ssize_t nslots = PyList_GET_SIZE(lengths);
+    Py_ssize_t nbytes = (nslots + 7) / 8;
+    if (nbytes == 0) return 0;
+    PyObject *b = PyObject_CallMethod(mask, "to_bytes", "ns", nbytes, "little");
+    if (b == NULL) return -1;
+    const unsigned char *p = (const unsigned char *)PyBytes_AS_STRING(b);
+    PyObject *v = PyLong_FromSsize_t(value);
+    if (v == NULL) { Py_DECREF(b); return -1; }
+    for (Py_ssize_t k = 0; k < nbytes; k++) {
+        unsigned char c = p[k];
+        while (c) {
+            int bit = __builtin_ctz(c);
+            c &= (unsigned char)(c - 1);
+            Py_ssize_t slot = k * 8 + bit;
+            if (slot < nslots) {
+                Py_INCREF(v);
+                PyList_SetItem(lengths, slot, v); /* steals v, releases the old item */
+            }
+        }
+    }
+    Py_DECREF(v);
+    Py_DECREF(b);
+    return 0;
+}
+
+/* walk_lengths(present, hashes, alive, nslots) -> (lengths, end)
+ * Looks each router hash up in ``present`` (hash -> slot mask), stopping at the first block no
+ * slot holds or once no slot of ``alive`` is left (``end``), and returns each slot's matched
+ * prefix length. Per block: one dict lookup and one compare; bigint work only where the holder
+ * set changes, which along a shared prefix is rare. */
+static PyObject *walk_lengths(PyObject *self, PyObject *args) {
+    PyObject *present, *hashes, *alive;
+    Py_ssize_t nslots;
+    if (!PyArg_ParseTuple(args, "O!O!On", &PyDict_Type, &present, &PyList_Type, &hashes, &alive,
+                          &nslots))
+        return NULL;
+    PyObject *lengths = PyList_New(nslots);
+    if (lengths == NULL) return NULL;
+    PyObject *zero = PyLong_FromLong(0);
+    for (Py_ssize_t k = 0; k < nslots; k++) { Py_INCREF(zero); PyList_SET_ITEM(lengths, k, zero); }
+    Py_DECREF(zero);
+    Py_INCREF(alive);
+    PyObject *prev = NULL;
+    Py_ssize_t n = PyList_GET_SIZE(hashes), i = 0;
+    for (; i < n; i++) {
+        PyObject *m = PyDict_GetItemWithError(present, PyList_GET_ITEM(hashes, i));
+        if (m == NULL) {
+            if (PyErr_Occurred()) goto fail;
+            break;
+        }
+        if (prev != NULL) {
+            if (m == prev) continue;
+            int same = PyObject_RichCompareBool(m, prev, Py_EQ);
+            if (same < 0) goto fail;
+            if (same) { prev = m; continue; }
+        }
+        PyObject *na = PyNumber_And(alive, m);
+        if (na == NULL) goto fail;
+        if (i > 0) {
+            PyObject *inv = PyNumber_Invert(m);
+            PyObject *dead = inv ? PyNumber_And(alive, inv) : NULL;
+            Py_XDECREF(inv);
+            if (dead == NULL || spread_bits(dead, lengths, i) < 0) {
+                Py_XDECREF(dead); Py_DECREF(na); goto fail;
+            }
+            Py_DECREF(dead);
+        }
+        Py_DECREF(alive);
+        alive = na;
+        if (!PyObject_IsTrue(alive)) break;
+        prev = m;
+    }
+    if (spread_bits(alive, lengths, i) < 0) goto fail;
+    Py_DECREF(alive);
+    return Py_BuildValue("(Nn)", lengths, i);
+fail:
+    Py_DECREF(alive);
+    Py_DECREF(lengths);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"chain_hashes", chain_hashes, METH_VARARGS,
      "chain_hashes(token_ids, block_size, parent) -> list of the chained 64-bit hash of each full block"},
@@ -284,6 +368,8 @@ static PyMethodDef methods[] = {
      "store_gpu(table, present, wbit, hashes, start, tokens, block_size, parent) -> stop index"},
     {"remove_gpu", remove_gpu, METH_VARARGS,
      "remove_gpu(table, emask, present, keep, hashes, start) -> stop index"},
+    {"walk_lengths", walk_lengths, METH_VARARGS,
+     "walk_lengths(present, hashes, alive, nslots) -> (per-slot matched lengths, end)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -136,6 +136,7 @@ class PrefixIndex:
         self._by_slot: list[_Worker | None] = []
         self._free_slots: list[int] = []
         self._all_bits = 0
+        self._keys_cache: list[WorkerKey] | None = None
         self._present: dict[int, int] = {}
         # slots holding a block on no GPU tier at all, and per lower tier the slots holding it
         self._nogpu: dict[int, int] = {}
@@ -161,6 +162,7 @@ class PrefixIndex:
         self._workers[key] = w
         self._by_slot[slot] = w
         self._all_bits |= w.bit
+        self._keys_cache = None
 
     def remove_worker(self, worker_id: str, dp_rank: int | None = None) -> None:
         keys = [
@@ -172,6 +174,7 @@ class PrefixIndex:
             self._by_slot[w.slot] = None
             self._free_slots.append(w.slot)
             self._all_bits &= ~w.bit
+            self._keys_cache = None
 
     def clear_worker(self, worker_id: str, dp_rank: int) -> None:
         w = self._workers.get((worker_id, dp_rank))
@@ -504,6 +507,12 @@ class PrefixIndex:
         may be shared between workers and must be treated as read-only.
         """
         n = len(hashes)
+        if not overlay and not self._nogpu and not (pools and self._low[3]):
+            # GPU-only holders and nothing to overlay: the walk is a C loop over the blocks.
+            if type(hashes) is not list:
+                hashes = list(hashes)
+            lengths, pos = _walk_lengths(self._present, hashes, self._all_bits, len(self._by_slot))
+            return self._result(n, lengths)
         vals: list[int | None] = list(map(self._present.get, hashes))
         extras = self._extras(hashes, vals, overlay, pools)
         seq: list[Any] = vals if extras is None else list(zip(vals, extras))
@@ -532,9 +541,41 @@ class PrefixIndex:
                 runs.append((pos, pos + length, extra))
             pos += length
         counts = self._count_runs(runs, pos, ended) if runs else {}
+        return self._build(n, pos, ended, counts)
+
+    def _result(self, n: int, lengths: list[int]) -> MatchResult:
+        """Per-worker answer from per-slot lengths, with one shared object per distinct length
+        and the dict built by C-level zip/map (no per-worker bytecode)."""
+        shared = {m: WorkerMatch(m, {"GPU": m}) for m in set(lengths)}
+        shared[0] = _ZERO
+        if not self._free_slots:
+            keys = self._slot_keys()
+            return MatchResult(n, dict(zip(keys, map(shared.__getitem__, lengths))))
+        return MatchResult(
+            n, {w.key: shared[lengths[w.slot]] for w in self._by_slot if w is not None}
+        )
+
+    def _slot_keys(self) -> list[WorkerKey]:
+        keys = self._keys_cache
+        if keys is None:
+            keys = self._keys_cache = [w.key for w in self._by_slot if w is not None]
+        return keys
+
+    def _build(
+        self, n: int, pos: int, ended: dict[int, int], counts: dict[int, dict[int, int]]
+    ) -> MatchResult:
         workers: dict[WorkerKey, WorkerMatch] = {}
         shared: dict[int, WorkerMatch] = {0: _ZERO}
         names = self._tier_names
+        if not counts:
+            ended_get, shared_get = ended.get, shared.get
+            for w in self._workers.values():
+                m = ended_get(w.slot, pos)
+                wm = shared_get(m)
+                if wm is None:
+                    wm = shared[m] = WorkerMatch(m, {"GPU": m})
+                workers[w.key] = wm
+            return MatchResult(n, workers)
         for w in self._workers.values():
             m = ended.get(w.slot, pos)
             c = counts.get(w.slot)
@@ -759,6 +800,35 @@ try:
 except ImportError:  # pragma: no cover - only where the extension could not be built
     _store_gpu = _py_store_gpu
     _remove_gpu = _py_remove_gpu
+
+
+def _py_walk_lengths(
+    present: dict[int, int], hashes: list[int], alive: int, nslots: int
+) -> tuple[list[int], int]:
+    """Python twin of ``indexer._chash.walk_lengths``."""
+    lengths = [0] * nslots
+    pos = 0
+    for p, grp in groupby(map(present.get, hashes)):
+        if not p:
+            break
+        dead = alive & ~p
+        alive &= p
+        for slot in range(nslots):
+            if dead >> slot & 1:
+                lengths[slot] = pos
+        if not alive:
+            break
+        pos += len(list(grp))
+    for slot in range(nslots):
+        if alive >> slot & 1:
+            lengths[slot] = pos
+    return lengths, pos
+
+
+try:
+    from indexer._chash import walk_lengths as _walk_lengths
+except ImportError:  # pragma: no cover - only where the extension could not be built
+    _walk_lengths = _py_walk_lengths
 
 
 def _or_all(d: Mapping[Any, int]) -> int:

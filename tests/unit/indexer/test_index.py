@@ -320,18 +320,44 @@ class PyFallbackIndexMachine(IndexMachine):
     def setup(self) -> None:
         import indexer.index as mod
 
-        self._saved = (mod._store_gpu, mod._remove_gpu)
-        mod._store_gpu, mod._remove_gpu = mod._py_store_gpu, mod._py_remove_gpu
+        self._saved = (mod._store_gpu, mod._remove_gpu, mod._walk_lengths)
+        mod._store_gpu, mod._remove_gpu, mod._walk_lengths = (
+            mod._py_store_gpu,
+            mod._py_remove_gpu,
+            mod._py_walk_lengths,
+        )
         super().setup()
 
     def teardown(self) -> None:
         import indexer.index as mod
 
         if hasattr(self, "_saved"):
-            mod._store_gpu, mod._remove_gpu = self._saved
+            mod._store_gpu, mod._remove_gpu, mod._walk_lengths = self._saved
 
 
 PyFallbackIndexMachine.TestCase.settings = settings(
     max_examples=30, stateful_step_count=30, deadline=None
 )
 TestPyFallbackIndexMachine = PyFallbackIndexMachine.TestCase
+
+
+def test_walk_twins_agree() -> None:
+    import random
+
+    from indexer.index import _py_walk_lengths, _walk_lengths
+
+    rng = random.Random(5)
+    for _ in range(300):
+        n = rng.randrange(0, 30)
+        nslots = rng.choice([1, 3, 8, 9, 72])
+        hashes = list(range(n))
+        full = (1 << nslots) - 1
+        present = {
+            h: rng.choice([1, 3, 7, 7, 7, full, 2**70 + 7]) & full or 1
+            for h in hashes
+            if rng.random() < 0.95
+        }
+        alive = rng.choice([7, 3, 1, 2**70 + 7, 2**71 - 1]) & full
+        assert _walk_lengths(present, hashes, alive, nslots) == _py_walk_lengths(
+            present, hashes, alive, nslots
+        )
