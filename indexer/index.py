@@ -223,7 +223,32 @@ class PrefixIndex:
             model = next((x.model for k, x in self._workers.items() if k[0] == worker_id), "")
             self.add_worker(worker_id, rank, model=model)
             w = self._workers[(worker_id, rank)]
+        bs = self.block_size
         for ev in batch.events:
+            # The common shapes (a GPU store chaining from a known parent, a GPU removal) go
+            # straight to the C hot paths; everything else, and any remainder, to _apply.
+            if type(ev) is BlockStored:
+                if ev.tier == "GPU" and ev.block_size == bs and not w.multi:
+                    hashes = ev.block_hashes
+                    parent = ev.parent_block_hash
+                    if parent is None:
+                        ph: int | None = self._seed(w, ev.lora_name, ev.lora_id)
+                    else:
+                        ph = w.table.get(parent)
+                    if ph is not None and type(hashes) is list:
+                        done = _store_gpu(
+                            w.table, self._present, w.bit, hashes, 0, ev.token_ids, bs, ph
+                        )
+                        w.tier_counts[0] += done
+                        if done == len(hashes):
+                            w.stats.stored_events += 1
+                            continue
+            elif type(ev) is BlockRemoved and ev.tier == "GPU" and not w.multi:
+                hashes = ev.block_hashes
+                if type(hashes) is list:
+                    w.stats.removed_events += 1
+                    self._remove(w, hashes, 0)
+                    continue
             self._apply(w, ev)
 
     def apply_event(self, key: WorkerKey, event: Event) -> None:
@@ -240,30 +265,32 @@ class PrefixIndex:
                 self._rechunk_table(w).store(ev)
         elif type(ev) is BlockRemoved:
             w.stats.removed_events += 1
-            t = self._tier_id(ev.tier)
             hashes = ev.block_hashes
-            if type(hashes) is not list:
-                hashes = list(hashes)
-            i, n = 0, len(hashes)
-            while i < n:
-                if t == 0 and not w.multi:
-                    # Hot path: GPU-only blocks leave; only the presence map changes.
-                    stop = _remove_gpu(w.table, w.emask, self._present, ~w.bit, hashes, i)
-                    w.tier_counts[0] -= stop - i
-                    i = stop
-                    if i == n:
-                        break
-                e = hashes[i]
-                if e in w.table:
-                    self._remove_tier(w, e, t)
-                elif w.rechunk is not None and e in w.rechunk.blocks:
-                    w.rechunk.remove(e, t)
-                else:
-                    w.stats.unknown_removals += 1
-                i += 1
+            self._remove(
+                w, hashes if type(hashes) is list else list(hashes), self._tier_id(ev.tier)
+            )
         elif type(ev) is AllBlocksCleared:
             self._drop_entries(w)
             w.stats.cleared += 1
+
+    def _remove(self, w: _Worker, hashes: list[EngineHash], t: int) -> None:
+        i, n = 0, len(hashes)
+        while i < n:
+            if t == 0 and not w.multi:
+                # Hot path: GPU-only blocks leave; only the presence map changes.
+                stop = _remove_gpu(w.table, w.emask, self._present, ~w.bit, hashes, i)
+                w.tier_counts[0] -= stop - i
+                i = stop
+                if i == n:
+                    break
+            e = hashes[i]
+            if e in w.table:
+                self._remove_tier(w, e, t)
+            elif w.rechunk is not None and e in w.rechunk.blocks:
+                w.rechunk.remove(e, t)
+            else:
+                w.stats.unknown_removals += 1
+            i += 1
 
     def _tier_id(self, name: str) -> int:
         t = self._tier_ids.get(name)
