@@ -1,7 +1,7 @@
 """Text ↔ token ids for the engine's OpenAI server: the byte tokenizer, or a local tokenizer.json.
 
 Byte tokenizer (the default; the router's built-in ``byte`` tokenizer implements the same
-contract, also written down in /work/spec/BYTE_TOKENIZER.md):
+contract; the router's tests check both against each other):
 
 * ``encode(text) = list(text.encode("utf-8"))`` — token id = UTF-8 byte value, no BOS/EOS,
   no special tokens; ``/v1/completions`` with a string prompt uses exactly this.
