@@ -17,7 +17,13 @@ import hashlib
 from collections.abc import Sequence
 from functools import lru_cache
 
-__all__ = ["HASH_VERSION", "chain_hashes", "namespace_seed", "py_chain_hashes"]
+__all__ = [
+    "HASH_VERSION",
+    "chain_hashes",
+    "chain_hashes_json",
+    "namespace_seed",
+    "py_chain_hashes",
+]
 
 #: Bumped whenever the function changes: snapshots written with another version are rejected.
 HASH_VERSION = 1
@@ -57,8 +63,12 @@ def py_chain_hashes(token_ids: Sequence[int], block_size: int, parent: int) -> l
 
 try:
     from indexer._chash import chain_hashes as _c_chain_hashes
+    from indexer._chash import chain_hashes_json
 except ImportError:  # pragma: no cover - exercised only where no compiler was available
     _c_chain_hashes = None
+    #: ``chain_hashes_json(json_array_bytes, block_size, parent) -> (hashes, n_tokens) | None``:
+    #: hashes a JSON token array without one Python int per token; None where not built.
+    chain_hashes_json = None
 
 #: ``chain_hashes(token_ids, block_size, parent) -> list[int]``, C when built, else Python.
 chain_hashes = _c_chain_hashes if _c_chain_hashes is not None else py_chain_hashes

@@ -33,7 +33,7 @@ from indexer.events import (
     Event,
     EventBatch,
 )
-from indexer.hashing import HASH_VERSION, chain_hashes, namespace_seed
+from indexer.hashing import chain_hashes, namespace_seed
 from indexer.rechunk import RechunkTable
 
 __all__ = [
@@ -187,9 +187,6 @@ class PrefixIndex:
 
     def slot(self, key: WorkerKey) -> int:
         return self._workers[key].slot
-
-    def worker_model(self, key: WorkerKey) -> str:
-        return self._workers[key].model
 
     def worker_stats(self, key: WorkerKey) -> WorkerIndexStats:
         w = self._workers[key]
@@ -760,13 +757,6 @@ class PrefixIndex:
         from indexer.snapshot import read_snapshot
 
         return read_snapshot(cls, path)
-
-    def _state(self) -> dict[str, Any]:
-        return {
-            "hash_version": HASH_VERSION,
-            "block_size": self.block_size,
-            "tiers": self._tier_names,
-        }
 
 
 def _py_store_gpu(

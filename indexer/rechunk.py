@@ -164,7 +164,5 @@ class RechunkTable:
                     cb = self.blocks.get(c)
                     if cb is not None:
                         cb.routers.remove(h)
-        for c in [e]:
-            cb = self.blocks.get(c)
-            if cb is not None and not cb.tiers and not cb.routers:
-                del self.blocks[c]
+        if not eb.tiers and not eb.routers:
+            del self.blocks[e]

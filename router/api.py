@@ -14,12 +14,8 @@ import msgspec
 from starlette.requests import Request
 
 from indexer.hashing import chain_hashes
+from indexer.hashing import chain_hashes_json as _hash_json
 from router.errors import BadRequest, PayloadTooLarge, UnprocessableEntity
-
-try:
-    from indexer._chash import chain_hashes_json as _hash_json
-except ImportError:  # pragma: no cover - no compiler where it was installed, or an older build
-    _hash_json = None
 from router.settings import describe_validation_error
 
 __all__ = [
@@ -109,7 +105,7 @@ _decode_token_list = msgspec.json.Decoder(list[int]).decode
 
 
 class JsonTokens:
-    """``token_ids`` still as JSON text. Hashed by ``indexer._chash.chain_hashes_json`` straight
+    """``token_ids`` still as JSON text. Hashed by ``indexer.hashing.chain_hashes_json`` straight
     from the text (one Python int per token costs ~40 ns, i.e. ~160 µs at 4,096 tokens on the
     reference machine); decoded to a list only when needed or when the C path declines."""
 
