@@ -4,6 +4,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <string.h>
 
 #define K1 0x9E3779B97F4A7C15ULL
 #define K2 0xC2B2AE3D27D4EB4FULL
@@ -93,6 +94,119 @@ static inline const unsigned char *skip_ws(const unsigned char *p, const unsigne
     return p;
 }
 
+#if defined(__BYTE_ORDER__) && defined(__ORDER_LITTLE_ENDIAN__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#define CHASH_JSON_SWAR 1
+#else
+#define CHASH_JSON_SWAR 0
+#endif
+
+/* Block hashes of one JSON scan, kept as C integers until the whole text has parsed: no Python
+ * object is made for a text that turns out not plain, and the list is created at its exact size. */
+typedef struct {
+    uint64_t *buf;
+    Py_ssize_t len, cap;
+    uint64_t stack[256];
+} json_hashes;
+
+static int json_hashes_grow(json_hashes *o) {
+    size_t cap = (size_t)o->cap * 2;
+    uint64_t *grown = o->buf == o->stack ? PyMem_Malloc(cap * sizeof(uint64_t))
+                                         : PyMem_Realloc(o->buf, cap * sizeof(uint64_t));
+    if (grown == NULL) return -1;
+    if (o->buf == o->stack) memcpy(grown, o->stack, sizeof o->stack);
+    o->buf = grown;
+    o->cap = (Py_ssize_t)cap;
+    return 0;
+}
+
+/* The scan behind chain_hashes_json: the token count, -1 when the text is not plain, -2 when out of
+ * memory. sep_len (a constant at each call) is the separator the fast path expects: 2 for ", "
+ * (json.dumps), 1 for ",". The fast path takes a number of 1..7 digits followed by exactly that
+ * separator, 8 bytes at a time (SWAR); everything else -- the last number, other spacing, longer
+ * numbers, the last 7 bytes -- goes through the byte-by-byte code, which alone decides what is
+ * plain, so both accept exactly the same texts. */
+static inline __attribute__((always_inline)) Py_ssize_t
+json_hash_scan(const unsigned char *p, const unsigned char *end, Py_ssize_t bs, uint64_t parent,
+               json_hashes *out, const int sep_len) {
+    uint64_t h = parent, x = h ^ K3;
+    Py_ssize_t left = bs; /* tokens still to come in the current block */
+#define CHASH_JSON_TOKEN(v)                                                                   \
+    do {                                                                                      \
+        x ^= (v) * K2;                                                                        \
+        x = rotl64(x, 31) * K1;                                                               \
+        if (--left == 0) {                                                                    \
+            h = fmix64(x ^ (uint64_t)bs);                                                     \
+            if (out->len == out->cap && json_hashes_grow(out) < 0) return -2;                 \
+            out->buf[out->len++] = h;                                                         \
+            x = h ^ K3;                                                                       \
+            left = bs;                                                                        \
+        }                                                                                     \
+    } while (0)
+    p = skip_ws(p, end);
+    if (p >= end || *p != '[') return -1;
+    p = skip_ws(p + 1, end);
+    if (p < end && *p == ']') { p++; goto closed; }
+    for (;;) {
+#if CHASH_JSON_SWAR
+        const uint64_t sep_mask = sep_len == 2 ? 0xFFFF : 0xFF, sep = sep_len == 2 ? 0x202C : 0x2C;
+        if (end - p >= 8) {
+            const unsigned char *last = end - 8;
+            while (p <= last) {
+                uint64_t w;
+                memcpy(&w, p, 8);
+                /* The 8 bytes at p as one word. Only the lowest mark of each mask below is exact
+                 * (a borrow or carry may mark later bytes wrongly), which is all that is used:
+                 * m marks the first byte < '0' or >= 0xB0, gt the first byte > '9'. When gt has no
+                 * mark at or below m's, the bytes before m's are digits and m's is < '0'. m is a
+                 * short step from the load: the next position, which every token waits for,
+                 * depends on it alone. */
+                uint64_t t = w - 0x3030303030303030ULL; /* each leading digit byte becomes 0..9 */
+                uint64_t m = t & 0x8080808080808080ULL;
+                if (m == 0) break;
+                unsigned bit = (unsigned)__builtin_ctzll(m); /* 8 * n_digits + 7 */
+                uint64_t gt = ((w + 0x4646464646464646ULL) | w) & 0x8080808080808080ULL;
+                /* 1..7 digits followed by exactly the separator; anything else goes the slow way */
+                if (bit < 15 || (gt & (m ^ (m - 1))) != 0 || ((w >> (bit - 7)) & sep_mask) != sep) break;
+                if ((t & 0xFF) == 0 && bit > 15) return -1; /* leading zero */
+                uint64_t d = t << (71 - bit); /* the digits to the top bytes, the bytes after them out */
+                d = (d * 10 + (d >> 8)) & 0x00FF00FF00FF00FFULL;
+                d = (d * 100 + (d >> 16)) & 0x0000FFFF0000FFFFULL;
+                d = (d * 10000 + (d >> 32)) & 0xFFFFFFFFULL;
+                p += (bit >> 3) + sep_len;
+                CHASH_JSON_TOKEN(d);
+            }
+        }
+        /* after the fast path's ", " more whitespace may follow, as after any ',' */
+        p = skip_ws(p, end);
+#else
+        (void)sep_len;
+#endif
+        if (p >= end || *p < '0' || *p > '9') return -1;
+        if (*p == '0' && p + 1 < end && p[1] >= '0' && p[1] <= '9') return -1;
+        const unsigned char *digits = p;
+        uint64_t v = 0;
+        while (p < end && (unsigned)(*p - '0') < 10u) v = v * 10 + (uint64_t)(*p++ - '0');
+        if (p - digits > 19) { /* 20 digits may overflow (more always do): check the slow way */
+            if (p - digits > 20) return -1;
+            v = 0;
+            for (const unsigned char *q = digits; q < p; q++) {
+                if (__builtin_mul_overflow(v, 10u, &v) || __builtin_add_overflow(v, (uint64_t)(*q - '0'), &v))
+                    return -1;
+            }
+        }
+        CHASH_JSON_TOKEN(v);
+        p = skip_ws(p, end);
+        if (p < end && *p == ',') { p = skip_ws(p + 1, end); continue; }
+        if (p < end && *p == ']') { p++; break; }
+        return -1;
+    }
+#undef CHASH_JSON_TOKEN
+closed:
+    p = skip_ws(p, end);
+    if (p != end) return -1;
+    return out->len * bs + (bs - left);
+}
+
 static PyObject *chain_hashes_json(PyObject *self, PyObject *args) {
     Py_buffer view;
     Py_ssize_t bs;
@@ -105,58 +219,35 @@ static PyObject *chain_hashes_json(PyObject *self, PyObject *args) {
     }
     const unsigned char *p = (const unsigned char *)view.buf;
     const unsigned char *end = p + view.len;
-    PyObject *out = PyList_New(0);
-    if (out == NULL) { PyBuffer_Release(&view); return NULL; }
-    uint64_t h = (uint64_t)parent, x = h ^ K3;
-    Py_ssize_t k = 0, n = 0;
-    p = skip_ws(p, end);
-    if (p >= end || *p != '[') goto not_plain;
-    p = skip_ws(p + 1, end);
-    if (p < end && *p == ']') { p++; goto closed; }
-    for (;;) {
-        if (p >= end || *p < '0' || *p > '9') goto not_plain;
-        if (*p == '0' && p + 1 < end && p[1] >= '0' && p[1] <= '9') goto not_plain;
-        const unsigned char *digits = p;
-        uint64_t v = 0;
-        while (p < end && (unsigned)(*p - '0') < 10u) v = v * 10 + (uint64_t)(*p++ - '0');
-        if (p - digits > 19) { /* 20 digits may overflow (more always do): check the slow way */
-            if (p - digits > 20) goto not_plain;
-            v = 0;
-            for (const unsigned char *q = digits; q < p; q++) {
-                if (__builtin_mul_overflow(v, 10u, &v) || __builtin_add_overflow(v, (uint64_t)(*q - '0'), &v))
-                    goto not_plain;
+    json_hashes hashes;
+    hashes.buf = hashes.stack;
+    hashes.len = 0;
+    hashes.cap = (Py_ssize_t)(sizeof hashes.stack / sizeof hashes.stack[0]);
+    /* the separator the fast path expects: whatever follows the first comma */
+    const unsigned char *comma = view.len > 0 ? memchr(p, ',', (size_t)view.len) : NULL;
+    Py_ssize_t n = comma != NULL && comma + 1 < end && comma[1] == ' '
+                       ? json_hash_scan(p, end, bs, (uint64_t)parent, &hashes, 2)
+                       : json_hash_scan(p, end, bs, (uint64_t)parent, &hashes, 1);
+    PyObject *res = NULL;
+    if (n == -2) {
+        PyErr_NoMemory();
+    } else if (n < 0) {
+        Py_INCREF(Py_None);
+        res = Py_None;
+    } else {
+        PyObject *out = PyList_New(hashes.len);
+        if (out != NULL) {
+            for (Py_ssize_t i = 0; i < hashes.len; i++) {
+                PyObject *hv = PyLong_FromUnsignedLongLong(hashes.buf[i]);
+                if (hv == NULL) { Py_CLEAR(out); break; }
+                PyList_SET_ITEM(out, i, hv);
             }
         }
-        x ^= v * K2;
-        x = rotl64(x, 31) * K1;
-        n++;
-        if (++k == bs) {
-            h = fmix64(x ^ (uint64_t)bs);
-            PyObject *hv = PyLong_FromUnsignedLongLong(h);
-            if (hv == NULL || PyList_Append(out, hv) < 0) {
-                Py_XDECREF(hv);
-                Py_DECREF(out);
-                PyBuffer_Release(&view);
-                return NULL;
-            }
-            Py_DECREF(hv);
-            x = h ^ K3;
-            k = 0;
-        }
-        p = skip_ws(p, end);
-        if (p < end && *p == ',') { p = skip_ws(p + 1, end); continue; }
-        if (p < end && *p == ']') { p++; break; }
-        goto not_plain;
+        if (out != NULL) res = Py_BuildValue("(Nn)", out, n);
     }
-closed:
-    p = skip_ws(p, end);
-    if (p != end) goto not_plain;
+    if (hashes.buf != hashes.stack) PyMem_Free(hashes.buf);
     PyBuffer_Release(&view);
-    return Py_BuildValue("(Nn)", out, n);
-not_plain:
-    Py_DECREF(out);
-    PyBuffer_Release(&view);
-    Py_RETURN_NONE;
+    return res;
 }
 
 
@@ -359,6 +450,101 @@ fail:
     return NULL;
 }
 
+/* ---- /route body: where the token array sits, so it is hashed once, in place. */
+
+static inline const unsigned char *ws_skip(const unsigned char *p, const unsigned char *end) {
+    while (p < end && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')) p++;
+    return p;
+}
+
+/* p at an opening quote: the byte after the closing one, or NULL. */
+static const unsigned char *str_skip(const unsigned char *p, const unsigned char *end) {
+    const unsigned char *from = p + 1;
+    for (;;) {
+        const unsigned char *q = memchr(from, '"', (size_t)(end - from));
+        if (q == NULL) return NULL;
+        const unsigned char *r = q;
+        while (r > from && r[-1] == '\\') r--;
+        if (((q - r) & 1) == 0) return q + 1; /* an even run of backslashes escapes nothing */
+        from = q + 1;
+    }
+}
+
+/* Skip one JSON value (not validated: the caller's decoder does that). */
+static const unsigned char *value_skip(const unsigned char *p, const unsigned char *end) {
+    if (p >= end) return NULL;
+    if (*p == '"') return str_skip(p, end);
+    if (*p == '[' || *p == '{') {
+        Py_ssize_t depth = 0;
+        while (p < end) {
+            unsigned char c = *p;
+            if (c == '"') {
+                p = str_skip(p, end);
+                if (p == NULL) return NULL;
+                continue;
+            }
+            if (c == '[' || c == '{') depth++;
+            else if (c == ']' || c == '}') {
+                if (--depth == 0) return p + 1;
+            }
+            p++;
+        }
+        return NULL;
+    }
+    while (p < end && *p != ',' && *p != '}' && *p != ']' && *p != ' ' && *p != '\t' &&
+           *p != '\n' && *p != '\r')
+        p++;
+    return p;
+}
+
+/* json_array_span(body, key) -> (start, end) | None: body[start:end] is the value of the first
+ * top-level member `key` of the JSON object `body` when that value is a flat array (no nested
+ * array, object or string in it; its elements are not checked). None otherwise -- not an object,
+ * no such key, another kind of value -- and the caller decodes the whole body the ordinary way. */
+static PyObject *json_array_span(PyObject *self, PyObject *args) {
+    Py_buffer view, key;
+    if (!PyArg_ParseTuple(args, "y*y*", &view, &key)) return NULL;
+    const unsigned char *start = (const unsigned char *)view.buf;
+    const unsigned char *end = start + view.len;
+    const unsigned char *p = ws_skip(start, end);
+    Py_ssize_t a = -1, b = -1;
+    if (p >= end || *p != '{') goto done;
+    p++;
+    for (;;) {
+        p = ws_skip(p, end);
+        if (p >= end || *p != '"') goto done;
+        const unsigned char *k = p + 1;
+        p = str_skip(p, end);
+        if (p == NULL) goto done;
+        Py_ssize_t klen = (p - 1) - k;
+        p = ws_skip(p, end);
+        if (p >= end || *p != ':') goto done;
+        p = ws_skip(p + 1, end);
+        if (klen == key.len && memcmp(k, key.buf, (size_t)klen) == 0) {
+            if (p < end && *p == '[') {
+                const unsigned char *q = memchr(p, ']', (size_t)(end - p));
+                size_t inner = q != NULL ? (size_t)(q - p - 1) : 0;
+                if (q != NULL && memchr(p + 1, '[', inner) == NULL &&
+                    memchr(p + 1, '{', inner) == NULL && memchr(p + 1, '"', inner) == NULL) {
+                    a = p - start;
+                    b = q + 1 - start;
+                }
+            }
+            goto done;
+        }
+        p = value_skip(p, end);
+        if (p == NULL) goto done;
+        p = ws_skip(p, end);
+        if (p >= end || *p != ',') goto done;
+        p++;
+    }
+done:
+    PyBuffer_Release(&view);
+    PyBuffer_Release(&key);
+    if (a < 0) Py_RETURN_NONE;
+    return Py_BuildValue("(nn)", a, b);
+}
+
 static PyMethodDef methods[] = {
     {"chain_hashes", chain_hashes, METH_VARARGS,
      "chain_hashes(token_ids, block_size, parent) -> list of the chained 64-bit hash of each full block"},
@@ -368,6 +554,8 @@ static PyMethodDef methods[] = {
      "store_gpu(table, present, wbit, hashes, start, tokens, block_size, parent) -> stop index"},
     {"remove_gpu", remove_gpu, METH_VARARGS,
      "remove_gpu(table, emask, present, keep, hashes, start) -> stop index"},
+    {"json_array_span", json_array_span, METH_VARARGS,
+     "json_array_span(json_object_bytes, key) -> (start, end) of the top-level key's array, or None"},
     {"walk_lengths", walk_lengths, METH_VARARGS,
      "walk_lengths(present, hashes, alive, nslots) -> (per-slot matched lengths, end)"},
     {NULL, NULL, 0, NULL},
