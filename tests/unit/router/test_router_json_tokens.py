@@ -46,3 +46,27 @@ def test_declined_texts_fall_back_or_name_the_field():
         JsonTokens(_raw(b'{"token_ids": "abc"}')).hashes(4, 0)
     with pytest.raises(UnprocessableEntity, match=r"token_ids\[0\]: expected `int`"):
         JsonTokens(_raw(b'{"token_ids": [1.5, 2, 3, 4]}')).hashes(4, 0)
+
+
+@pytest.mark.parametrize("c_path", [True, False])
+def test_decode_route_cuts_the_array_out_or_decodes_the_whole_body(c_path, monkeypatch):
+    """Whether the token array is cut out first (C span finder) or the whole body is decoded,
+    the request and its tokens come out the same; odd bodies take the whole-body decode."""
+    if not c_path:
+        monkeypatch.setattr(api, "_array_span", None)
+    bodies = [
+        b'{"token_ids": [1, 2, 3], "model": "m", "lora_name": "l", "account": true}',
+        b'{"model": "m\\"token_ids\\": [9]", "token_ids": [4, 5]}',  # the key inside a string
+        b'{"x": {"token_ids": [9]}, "token_ids": [6]}',  # nested first, then the real one
+        b' { "token_ids" : [ 7 , 8 ] } ',
+        b'{"token_ids": [1], "token_ids": [2]}',  # duplicate key: msgspec's choice, both ways
+    ]
+    for body in bodies:
+        req, tokens = api.decode_route(body)
+        full = decode(body, RouteRequest)
+        assert (req.model, req.lora_name, req.account) == (full.model, full.lora_name, full.account)
+        assert tokens is not None
+        assert tokens.tokens() == json.loads(bytes(full.token_ids))
+    # no top-level array: no tokens (the caller tokenizes the prompt or says what is missing)
+    for body in (b'{"prompt": "x"}', b'{"x": {"token_ids": [1]}}', b'{"token_ids": null}'):
+        assert api.decode_route(body)[1] is None
