@@ -530,13 +530,55 @@ class PrefixIndex:
         work is O(runs + workers), not O(blocks x workers). The returned ``WorkerMatch`` objects
         may be shared between workers and must be treated as read-only.
         """
+        if self._nogpu or (pools and self._low[3]):
+            return self._match_general(hashes, overlay, pools)
+        if overlay:
+            return self._match_overlay(hashes, overlay)
+        # GPU-only holders and nothing to overlay: the walk is a C loop over the blocks.
+        if type(hashes) is not list:
+            hashes = list(hashes)
+        lengths, _ = _walk_lengths(self._present, hashes, self._all_bits, len(self._by_slot))
+        return self._result(len(hashes), lengths)
+
+    def _match_overlay(self, hashes: Sequence[int], overlay: Mapping[int, int]) -> MatchResult:
+        """GPU-only holders plus predictions: predictions are recorded as chain segments, so
+        along a request the (held, predicted) pair changes rarely and the work is per run."""
+        alive = self._all_bits
+        ended: dict[int, int] = {}
+        counts: dict[int, dict[int, int]] = {}
+        pos = 0
+        for (p, o), grp in groupby(zip(map(self._present.get, hashes), map(overlay.get, hashes))):
+            pred = o & ~p if o and p else o or 0
+            p = (p or 0) | pred
+            if not p:
+                break
+            dead = alive & ~p
+            if dead:
+                while dead:
+                    lowbit = dead & -dead
+                    ended[lowbit.bit_length() - 1] = pos
+                    dead ^= lowbit
+                alive &= p
+                if not alive:
+                    break
+            length = sum(1 for _ in grp)
+            pred &= alive
+            while pred:
+                lowbit = pred & -pred
+                slot = lowbit.bit_length() - 1
+                pred ^= lowbit
+                c = counts.setdefault(slot, {})
+                c[-1] = c.get(-1, 0) + length
+            pos += length
+        return self._build(len(hashes), pos, ended, counts)
+
+    def _match_general(
+        self,
+        hashes: Sequence[int],
+        overlay: Mapping[int, int] | None,
+        pools: Sequence[Iterable[WorkerKey]],
+    ) -> MatchResult:
         n = len(hashes)
-        if not overlay and not self._nogpu and not (pools and self._low[3]):
-            # GPU-only holders and nothing to overlay: the walk is a C loop over the blocks.
-            if type(hashes) is not list:
-                hashes = list(hashes)
-            lengths, pos = _walk_lengths(self._present, hashes, self._all_bits, len(self._by_slot))
-            return self._result(n, lengths)
         vals: list[int | None] = list(map(self._present.get, hashes))
         extras = self._extras(hashes, vals, overlay, pools)
         seq: list[Any] = vals if extras is None else list(zip(vals, extras))

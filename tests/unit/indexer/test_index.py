@@ -7,7 +7,7 @@ import itertools
 from pathlib import Path
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -119,6 +119,43 @@ def test_pools_credit_external_and_overlay_counts_predicted() -> None:
     assert (m.matched_blocks, m.by_tier) == (2, {"GPU": 1, "EXTERNAL": 1})
     m = idx.match(h, overlay={h[1]: 1 << idx.slot(A), h[2]: 1 << idx.slot(A)}).workers[A]
     assert (m.matched_blocks, m.predicted_blocks, m.by_tier["GPU"]) == (3, 2, 1)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    held=st.lists(st.integers(0, 12), min_size=4, max_size=4),
+    gaps=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 11)), max_size=3),
+    predicted=st.lists(st.tuples(st.integers(0, 11), st.integers(1, 15)), max_size=12),
+)
+def test_overlay_walk_agrees_with_general_walk(
+    held: list[int], gaps: list[tuple[int, int]], predicted: list[tuple[int, int]]
+) -> None:
+    """The per-run overlay walk (GPU-only holders + predictions) answers exactly like the
+    general per-block path, for prefixes with holes and predictions anywhere."""
+    idx = PrefixIndex(2)
+    t = tokens(24)
+    h = idx.request_hashes(t)
+    keys = [(f"w{i}", 0) for i in range(4)]
+    for key, n in zip(keys, held):
+        idx.add_worker(key[0])
+        if n:
+            idx.apply_event(key, BlockStored(list(range(100, 100 + n)), None, t[: 2 * n], 2))
+    for w, b in gaps:  # holes in a worker's prefix
+        if b < held[w]:
+            idx.apply_event(keys[w], BlockRemoved([100 + b]))
+    overlay: dict[int, int] = {}
+    for b, mask in predicted:
+        overlay[h[b]] = overlay.get(h[b], 0) | mask
+    fast = idx._match_overlay(h, overlay)
+    general = idx._match_general(h, overlay, ())
+    assert fast.request_blocks == general.request_blocks
+    for key in keys:
+        f, g = fast.workers[key], general.workers[key]
+        assert (f.matched_blocks, f.predicted_blocks, dict(f.by_tier)) == (
+            g.matched_blocks,
+            g.predicted_blocks,
+            dict(g.by_tier),
+        ), key
 
 
 def test_same_tokens_under_two_engine_hashes() -> None:
