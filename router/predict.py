@@ -8,8 +8,9 @@ the block itself and reports it under its real tier, so an extra overlay bit cha
 prediction that never came true (request failed, block evicted) lasts at most ``ttl_s``.
 
 ``mask`` maps router hash → bitmask of worker slots (``PrefixIndex.slot``), the overlay shape.
-The router records only the blocks the chosen worker does not hold yet, so once events have
-caught up a repeated prompt adds nothing and the overlay stays small. Each recording covers a
+The router records only the blocks past the chosen worker's matched prefix (neither held nor
+predicted there yet), so a repeated prompt adds nothing, a prediction keeps its first expiry,
+and the overlay stays small. Each recording covers a
 chain segment ``hashes[k:]``; a request can meet a prediction only if it contains that segment's
 first block (hashes are chained), which ``might_meet`` checks without touching the index.
 """

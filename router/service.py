@@ -281,9 +281,11 @@ class RouterState:
             slot = self.index.slot(c.key)
         except KeyError:
             slot = -1
-        held = c.matched_blocks - c.predicted_blocks  # what the worker's own events announced
-        if slot >= 0 and held < len(hashes):
-            self.predicted.record(hashes[max(0, held) :], slot)
+        # the blocks past the matched prefix: neither announced by the worker's events nor
+        # predicted there already (a prediction keeps its first expiry: one that never comes
+        # true ends after ttl_s even while requests for it keep coming)
+        if slot >= 0 and c.matched_blocks < len(hashes):
+            self.predicted.record(hashes[c.matched_blocks :], slot)
         m = self.metrics
         m.child(m.route_decisions, c.key[0], kind).inc()
         d.states[i].last_routed_at = time.monotonic()
