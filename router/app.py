@@ -22,11 +22,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.routing import Route
 
 from router.api import WorkerIn, decode, encode, read_body
 from router.errors import BadRequest, NotFound, RouterError, Unauthorized, error_response
-from router.placement import RouteFastPath, route_answer
-from router.proxy import proxy_openai
+from router.placement import route_answer
+from router.proxy import AsgiProxy
 from router.service import RouterState
 from router.settings import Settings, WorkerConfig
 
@@ -60,7 +61,8 @@ def _require_admin(state: RouterState, request: Request) -> None:
 
 
 async def route(request: Request) -> Response:
-    """The routed form of POST /route; :class:`RouteFastPath` answers it first in practice."""
+    """POST /route through the app: bodies with ``prompt``/``messages``, or any server other
+    than :mod:`router.http`'s (which answers ``token_ids`` bodies from the parser)."""
     state = _state(request)
     body = await read_body(request, state.settings.proxy.max_body_bytes)
     return Response(await route_answer(state, body), media_type=_JSON)
@@ -75,14 +77,6 @@ async def release_route(request: Request) -> Response:
 
 
 # ------------------------------------------------------------------------------ OpenAI
-
-
-async def completions(request: Request) -> Response:
-    return await proxy_openai(_state(request), request, "completions")
-
-
-async def chat_completions(request: Request) -> Response:
-    return await proxy_openai(_state(request), request, "chat")
 
 
 async def models(request: Request) -> Response:
@@ -274,15 +268,14 @@ def create_app(settings: Settings) -> FastAPI:
         redoc_url=None,
         openapi_url=None,
     )
-    app.add_middleware(RouteFastPath)
     app.add_exception_handler(RouterError, _router_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
     add = app.add_route
     add("/route", route, methods=["POST"])
     add("/route/{route_id}/release", release_route, methods=["POST"])
-    add("/v1/completions", completions, methods=["POST"])
-    add("/v1/chat/completions", chat_completions, methods=["POST"])
+    for path, endpoint in (("/v1/completions", "completions"), ("/v1/chat/completions", "chat")):
+        app.router.routes.append(Route(path, AsgiProxy(endpoint), methods=["POST"]))
     add("/v1/models", models, methods=["GET"])
     add("/workers", list_workers, methods=["GET"])
     add("/workers", add_worker, methods=["POST"])

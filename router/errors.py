@@ -24,6 +24,7 @@ __all__ = [
     "Unauthorized",
     "UnprocessableEntity",
     "UpstreamError",
+    "error_json",
     "error_response",
 ]
 
@@ -109,8 +110,13 @@ class _ErrorBody(msgspec.Struct):
 _encode = msgspec.json.Encoder().encode
 
 
+def error_json(message: str, type_: str) -> bytes:
+    """The body of every error answer: ``{"error": {"message", "type"}}``."""
+    return _encode(_ErrorBody(_ErrorDetail(message, type_)))
+
+
 def error_response(
     status: int, message: str, type_: str, headers: Mapping[str, str] | None = None
 ) -> Response:
-    body = _encode(_ErrorBody(_ErrorDetail(message, type_)))
+    body = error_json(message, type_)
     return Response(body, status_code=status, media_type="application/json", headers=headers)

@@ -1,17 +1,14 @@
-"""``POST /route``: the placement answer, and the ASGI fast path that serves it.
+"""``POST /route``: the placement answer.
 
-The answer is built from msgspec Structs and encoded once. :class:`RouteFastPath` sits in front of
-the FastAPI router and answers ``POST /route`` straight from ASGI messages: no Request object, no
-route table walk, no exception middleware — a few tens of microseconds that matter when the whole
-answer takes a few hundred. Everything else passes through untouched.
+The answer is built from msgspec Structs and encoded once. A body with ``token_ids`` is answered
+without awaiting (:func:`route_answer_now`), so :mod:`router.http` serves it straight from the
+HTTP parser; one with ``prompt`` or ``messages`` may wait for a tokenizer and goes through the
+app (:func:`route_answer`).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
-
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from router.api import (
     CandidateOut,
@@ -19,27 +16,33 @@ from router.api import (
     RouteOut,
     RouteRequest,
     check_messages,
-    decode,
+    decode_route,
     encode,
 )
-from router.errors import BadRequest, NoHealthyWorker, PayloadTooLarge, RouterError
-from router.errors import error_response as _error_response
+from router.errors import BadRequest, NoHealthyWorker
 from router.scoring import tier_breakdown
 from router.service import RouterState
 
-__all__ = ["RouteFastPath", "route_answer"]
+__all__ = ["route_answer", "route_answer_now"]
 
-_JSON_HEADERS = [(b"content-type", b"application/json")]
+
+def route_answer_now(state: RouterState, body: bytes) -> bytes | None:
+    """The answer when it needs no await (the body has ``token_ids``), else None; raises
+    :class:`RouterError` subclasses. The HTTP protocol calls this straight from its parser."""
+    t0 = time.perf_counter()
+    req, tokens = decode_route(body)
+    if tokens is None:
+        return None
+    return _answer(state, req, tokens, t0)
 
 
 async def route_answer(state: RouterState, body: bytes) -> bytes:
-    """The JSON answer to a ``/route`` body; raises :class:`RouterError` subclasses."""
+    """The JSON answer to a ``/route`` body, tokenizing when it has no ``token_ids``."""
     t0 = time.perf_counter()
-    req = decode(body, RouteRequest)
+    req, json_tokens = decode_route(body)
     tokens: list[int] | JsonTokens
-    raw = req.token_ids
-    if len(raw) and memoryview(raw)[:4] != b"null":
-        tokens = JsonTokens(raw)
+    if json_tokens is not None:
+        tokens = json_tokens
     elif req.prompt is not None:
         tokens = await state.tokenizer.encode(req.prompt, req.model)
     elif req.messages:
@@ -47,6 +50,12 @@ async def route_answer(state: RouterState, body: bytes) -> bytes:
         tokens = await state.tokenizer.encode_chat(req.messages, req.model)
     else:
         raise BadRequest("one of token_ids, prompt or messages is required")
+    return _answer(state, req, tokens, t0)
+
+
+def _answer(
+    state: RouterState, req: RouteRequest, tokens: list[int] | JsonTokens, t0: float
+) -> bytes:
     d = state.place(tokens, req.model, req.lora_name)
     if not d.order:
         raise NoHealthyWorker("no healthy worker for this request")
@@ -87,57 +96,3 @@ async def route_answer(state: RouterState, body: bytes) -> bytes:
     data = encode(out)
     m.route_latency.observe(time.perf_counter() - t0)
     return data
-
-
-async def _read(scope: Scope, receive: Receive, limit: int) -> bytes:
-    for name, value in scope["headers"]:
-        if name == b"content-length" and value.isdigit() and int(value) > limit:
-            raise PayloadTooLarge(
-                f"request body of {int(value)} bytes is over the {limit}-byte limit"
-            )
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        msg: Message = await receive()
-        if msg["type"] != "http.request":
-            raise BadRequest("client went away while sending the body")
-        chunk = msg.get("body", b"")
-        if chunk:
-            size += len(chunk)
-            if size > limit:
-                raise PayloadTooLarge(f"request body is over the {limit}-byte limit")
-            chunks.append(chunk)
-        if not msg.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
-class RouteFastPath:
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (
-            scope["type"] != "http"
-            or scope["path"] != "/route"
-            or scope["method"] != "POST"
-            or "app" not in scope
-        ):
-            await self.app(scope, receive, send)
-            return
-        state: RouterState | None = getattr(scope["app"].state, "kv", None)
-        if state is None:  # not started: let the normal stack say so
-            await self.app(scope, receive, send)
-            return
-        try:
-            body = await _read(scope, receive, state.settings.proxy.max_body_bytes)
-            data = await route_answer(state, body)
-            status = 200
-            headers: list[Any] = _JSON_HEADERS
-        except RouterError as e:
-            state.metrics.rejected.labels(str(e.status)).inc()
-            err = _error_response(e.status, e.message, e.type)
-            data, status, headers = bytes(err.body), e.status, err.raw_headers
-        if headers is _JSON_HEADERS:
-            headers = [*_JSON_HEADERS, (b"content-length", str(len(data)).encode())]
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": data})

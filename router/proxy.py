@@ -5,26 +5,29 @@
 - Retry: a connection failure, a timeout before the response head, or a 502/503/504 moves the
   request to the next best worker — only while nothing was sent to the client. Afterwards an
   upstream failure aborts the client's connection (a truncated stream, never a fake end).
-- Streaming (SSE) is passed through chunk by chunk. The client going away cancels the upstream
-  request (its connection is closed), while waiting for the head or during the body.
+- Streaming (SSE) is passed through chunk by chunk. The client going away cancels the task that
+  runs :func:`proxy_request`, which closes the upstream connection, while waiting for the head or
+  during the body.
 - Accounting: the request counts as in-flight prefill on its worker until the first body byte,
   and as active until the response ends; ``usage.prompt_tokens_details.cached_tokens`` (the final
   usage chunk when streaming, if the client asked for one) is compared with the prediction.
+
+:func:`proxy_request` writes through a :class:`Responder`. :mod:`router.http` implements one on
+the transport (a whole answer in one write: the client wakes once); :class:`AsgiProxy` is the
+ASGI form, for the app served by any other ASGI server.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any
 
-import anyio
 import msgspec
-from starlette.requests import Request
-from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from router.api import (
     ChatBody,
@@ -32,45 +35,45 @@ from router.api import (
     check_messages,
     completion_tokens_source,
     decode,
-    read_body,
 )
-from router.errors import BadRequest, NoHealthyWorker, TooManyRequests
+from router.errors import (
+    BadRequest,
+    NoHealthyWorker,
+    PayloadTooLarge,
+    RouterError,
+    TooManyRequests,
+    error_json,
+)
 from router.service import Decision, RouterState
 from router.upstream import ConnectError, UpstreamError, UpstreamResponse
 
-__all__ = ["ClientGone", "ProxyStream", "proxy_openai", "race_disconnect"]
+__all__ = ["AsgiProxy", "Responder", "proxy_request"]
 
 log = logging.getLogger("kvrouter.proxy")
-T = TypeVar("T")
 
-_FORWARD_HEADERS = ("Authorization", "Accept", "X-Request-Id", "Traceparent", "Tracestate")
+_FORWARD_HEADERS = ("authorization", "accept", "x-request-id", "traceparent", "tracestate")
 _RETRY_STATUSES = frozenset((502, 503, 504))
+Headers = list[tuple[bytes, bytes]]
 
 
-class ClientGone(Exception):
-    """The client disconnected before the response started."""
+class Responder:
+    """Where :func:`proxy_request` writes its answer: either one whole response, or a head then
+    chunks then the end. ``abort`` cuts the connection (a truncated stream, never a fake end)."""
 
+    async def whole(self, status: int, headers: Headers, body: bytes) -> None:
+        raise NotImplementedError
 
-async def _until_disconnect(receive: Receive) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
+    async def start(self, status: int, headers: Headers) -> None:
+        raise NotImplementedError
 
+    async def chunk(self, data: bytes) -> None:
+        raise NotImplementedError
 
-async def race_disconnect(request: Request, aw: Awaitable[T]) -> T:
-    """Await ``aw`` unless the client disconnects first (then cancel it, raise ClientGone)."""
-    task = asyncio.ensure_future(aw)
-    watcher = asyncio.ensure_future(_until_disconnect(request.receive))
-    try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-    if not task.done() or task.cancelled():
-        raise ClientGone()
-    return task.result()
+    async def end(self) -> None:
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        raise NotImplementedError
 
 
 class _Usage(msgspec.Struct):
@@ -162,64 +165,6 @@ class _Flight:
             st.metrics.observe_cached(self.worker, self.predicted_tokens, self.cached)
 
 
-class ProxyStream(Response):
-    """Streams an upstream response; a client disconnect cancels the pump and closes upstream."""
-
-    def __init__(
-        self, upstream: UpstreamResponse, flight: _Flight, headers: dict[str, str]
-    ) -> None:
-        self.upstream = upstream
-        self.flight = flight
-        self.status_code = upstream.status_code
-        self.background = None
-        self.media_type = upstream.header("content-type", "text/event-stream")
-        self.init_headers(headers)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        status = str(self.status_code)
-        try:
-            async with anyio.create_task_group() as tg:
-
-                async def listen() -> None:
-                    nonlocal status
-                    await _until_disconnect(receive)
-                    status = "client_disconnect"
-                    tg.cancel_scope.cancel()
-
-                async def pump() -> None:
-                    nonlocal status
-                    try:
-                        await self._pump(send)
-                    except (UpstreamError, OSError) as e:
-                        # the head was sent: no retry; return without ending the body so the
-                        # server aborts the connection and the client sees a truncated stream
-                        log.warning("upstream %s failed mid-stream: %r", self.flight.worker, e)
-                        status = "upstream_error"
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(listen)
-                tg.start_soon(pump)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self.upstream.aclose()
-                self.flight.done(status)
-                self.flight.state.inflight -= 1
-
-    async def _pump(self, send: Send) -> None:
-        await send(
-            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
-        )
-        flight = self.flight
-        async for chunk in self.upstream.iter_chunks():
-            if not chunk:
-                continue
-            flight.first_byte()
-            flight.scan(chunk)
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        flight.first_byte()
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
 async def _tokens(state: RouterState, endpoint: str, body: bytes) -> tuple[Any, list[int], bool]:
     if endpoint == "completions":
         req: Any = decode(body, CompletionBody)
@@ -256,13 +201,20 @@ async def _exchange(
     return resp, content
 
 
-async def proxy_openai(state: RouterState, request: Request, endpoint: str) -> Response:
-    """``endpoint``: ``completions`` or ``chat`` (→ ``/v1/chat/completions`` upstream)."""
+async def proxy_request(
+    state: RouterState,
+    endpoint: str,
+    body: bytes,
+    header: Callable[[str], str | None],
+    out: Responder,
+    t0: float,
+) -> None:
+    """Proxy one request (``endpoint``: ``completions`` or ``chat``) and write the answer to
+    ``out``. Raises :class:`RouterError` only before anything was written. Cancelling the task
+    (the client went away) closes the upstream exchange and counts ``client_disconnect``."""
     s = state.settings.proxy
     if state.inflight >= s.max_inflight:
         raise TooManyRequests(f"over max_inflight ({s.max_inflight} requests in flight)")
-    t0 = time.perf_counter()
-    body = await read_body(request, s.max_body_bytes)
     req, tokens, stream = await _tokens(state, endpoint, body)
     d = state.place(tokens, req.model, req.lora_name)
     if not d.order:
@@ -270,11 +222,10 @@ async def proxy_openai(state: RouterState, request: Request, endpoint: str) -> R
     path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
     fwd = [("Content-Type", "application/json")]
     for h in _FORWARD_HEADERS:
-        v = request.headers.get(h)
+        v = header(h)
         if v is not None:
             fwd.append((h, v))
     state.inflight += 1
-    handed_off = False
     errors: list[str] = []
     attempts = d.order[: 1 + s.retries]
     try:
@@ -286,12 +237,10 @@ async def proxy_openai(state: RouterState, request: Request, endpoint: str) -> R
                 headers = [*fwd, ("X-Data-Parallel-Rank", str(cand.key[1]))]
             flight = _Flight(state, d, i, endpoint, t0)
             try:
-                resp, content = await race_disconnect(
-                    request, _exchange(state, ws.url, path, headers, body, stream=stream)
-                )
-            except ClientGone:
+                resp, content = await _exchange(state, ws.url, path, headers, body, stream=stream)
+            except asyncio.CancelledError:
                 flight.done("client_disconnect")
-                return Response(status_code=499)
+                raise
             except UpstreamError as e:
                 flight.done("upstream_error")
                 reason = type(e).__name__
@@ -299,31 +248,143 @@ async def proxy_openai(state: RouterState, request: Request, endpoint: str) -> R
                 state.registry.mark_failure(ws.id, f"proxy: {e}", now=isinstance(e, ConnectError))
                 state.metrics.retries.labels(ws.id, reason).inc()
                 continue
-            out_headers = {
-                "x-kvrouter-worker": ws.id,
-                "x-kvrouter-cached-blocks": str(cand.matched_blocks),
-            }
-            if ws.config.dp_ranks > 1:
-                out_headers["x-kvrouter-dp-rank"] = str(cand.key[1])
             if resp.status_code in _RETRY_STATUSES and n + 1 < len(attempts):
                 flight.done(str(resp.status_code))
                 errors.append(f"{ws.id}: HTTP {resp.status_code}")
                 state.metrics.retries.labels(ws.id, str(resp.status_code)).inc()
                 continue
+            out_headers: Headers = [
+                (b"content-type", (resp.header("content-type") or _default_type(content)).encode()),
+                (b"x-kvrouter-worker", ws.id.encode()),
+                (b"x-kvrouter-cached-blocks", str(cand.matched_blocks).encode()),
+            ]
+            if ws.config.dp_ranks > 1:
+                out_headers.append((b"x-kvrouter-dp-rank", str(cand.key[1]).encode()))
             if content is None:
-                handed_off = True
-                return ProxyStream(resp, flight, out_headers)
+                await _stream(resp, flight, out, out_headers)
+                return
             flight.first_byte()
             if resp.status_code == 200:
                 flight.cached = cached_tokens_of(content)
             flight.done(str(resp.status_code))
-            return Response(
-                content,
-                status_code=resp.status_code,
-                headers=out_headers,
-                media_type=resp.header("content-type", "application/json"),
-            )
+            await out.whole(resp.status_code, out_headers, content)
+            return
         raise NoHealthyWorker(f"every worker tried failed ({'; '.join(errors)})")
     finally:
-        if not handed_off:
-            state.inflight -= 1
+        state.inflight -= 1
+
+
+def _default_type(content: bytes | None) -> str:
+    return "text/event-stream" if content is None else "application/json"
+
+
+async def _stream(
+    resp: UpstreamResponse, flight: _Flight, out: Responder, headers: Headers
+) -> None:
+    status = str(resp.status_code)
+    try:
+        await out.start(resp.status_code, headers)
+        async for chunk in resp.iter_chunks():
+            if not chunk:
+                continue
+            flight.first_byte()
+            flight.scan(chunk)
+            await out.chunk(chunk)
+        flight.first_byte()
+        await out.end()
+    except asyncio.CancelledError:
+        status = "client_disconnect"
+        raise
+    except (UpstreamError, OSError) as e:
+        # the head was sent: no retry, and no end of body: the client sees a truncated stream
+        log.warning("upstream %s failed mid-stream: %r", flight.worker, e)
+        status = "upstream_error"
+        out.abort()
+    finally:
+        await resp.aclose()  # never awaits: safe while cancelled
+        flight.done(status)
+
+
+# ------------------------------------------------------------------------------ ASGI form
+
+
+class _AsgiOut(Responder):
+    def __init__(self, send: Send) -> None:
+        self.send = send
+        self.aborted = False
+
+    async def whole(self, status: int, headers: Headers, body: bytes) -> None:
+        headers = [*headers, (b"content-length", str(len(body)).encode())]
+        await self.send({"type": "http.response.start", "status": status, "headers": headers})
+        await self.send({"type": "http.response.body", "body": body})
+
+    async def start(self, status: int, headers: Headers) -> None:
+        await self.send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def chunk(self, data: bytes) -> None:
+        await self.send({"type": "http.response.body", "body": data, "more_body": True})
+
+    async def end(self) -> None:
+        await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def abort(self) -> None:
+        self.aborted = True  # returning without ending the body makes the server cut it
+
+
+class AsgiProxy:
+    """The proxy as a plain ASGI endpoint (``endpoint``: ``completions`` or ``chat``): the body
+    is read, :func:`proxy_request` runs in a task, and a client disconnect cancels it."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        state: RouterState = scope["app"].state.kv
+        t0 = time.perf_counter()
+        out = _AsgiOut(send)
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        try:
+            body = await _read_asgi(receive, headers, state.settings.proxy.max_body_bytes)
+            task = asyncio.ensure_future(
+                proxy_request(state, self.endpoint, body, headers.get, out, t0)
+            )
+            watcher = asyncio.ensure_future(_until_disconnect(receive))
+            try:
+                await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                watcher.cancel()
+                if not task.done():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+            if not task.cancelled():
+                task.result()
+        except RouterError as e:
+            state.metrics.rejected.labels(str(e.status)).inc()
+            await out.whole(
+                e.status, [(b"content-type", b"application/json")], error_json(e.message, e.type)
+            )
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _read_asgi(receive: Receive, headers: dict[str, str], limit: int) -> bytes:
+    length = headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise PayloadTooLarge(f"request body of {length} bytes is over the {limit}-byte limit")
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        msg: Message = await receive()
+        if msg["type"] != "http.request":
+            raise BadRequest("client went away while sending the body")
+        chunk = msg.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body is over the {limit}-byte limit")
+        chunks.append(chunk)
+        if not msg.get("more_body", False):
+            return b"".join(chunks)

@@ -64,13 +64,19 @@ async def router() -> AsyncIterator[Callable[..., Awaitable[RouterHandle]]]:
     made: list[RouterHandle] = []
 
     async def make(
-        fake_workers: Sequence[FakeWorker] = (), *, ready: bool = True, **overrides: Any
+        fake_workers: Sequence[FakeWorker] = (),
+        *,
+        ready: bool = True,
+        plain_asgi: bool = False,
+        **overrides: Any,
     ) -> RouterHandle:
+        """``plain_asgi``: serve the app with uvicorn's own protocol (every request through
+        ASGI, as under any other server) instead of ``router.http``'s."""
         overrides.setdefault("health", {"interval_s": 0.2, "timeout_s": 2.0})
         overrides.setdefault("workers", [w.spec() for w in fake_workers])
         settings = load_settings(environ={}, overrides=overrides)
         app = create_app(settings)
-        h = RouterHandle(await ServerHandle(app).start(), app)
+        h = RouterHandle(await ServerHandle(app, router=not plain_asgi).start(), app)
         made.append(h)
         if ready:
             await h.wait_ready()

@@ -36,6 +36,7 @@ from indexer.wire import (
     encode_replay_end,
     encode_replay_reply,
 )
+from router.http import server_config
 from router.tokenize import render_byte_chat
 
 LOCAL = "tcp://127.0.0.1"
@@ -52,11 +53,11 @@ async def wait_for(cond: Callable[[], Any], timeout: float = 20.0, what: str = "
 
 
 class ServerHandle:
-    """A uvicorn server on 127.0.0.1, port 0, in the running event loop."""
+    """A uvicorn server on 127.0.0.1, port 0, in the running event loop. A router app
+    (``router=True``) is served with the router's own HTTP protocol, as ``kvrouter serve`` does."""
 
-    def __init__(self, app: Any) -> None:
-        config = uvicorn.Config(
-            app,
+    def __init__(self, app: Any, *, router: bool = False) -> None:
+        kw: dict[str, Any] = dict(
             host="127.0.0.1",
             port=0,
             log_level="warning",
@@ -64,6 +65,7 @@ class ServerHandle:
             access_log=False,
             timeout_graceful_shutdown=2,
         )
+        config = server_config(app, **kw) if router else uvicorn.Config(app, **kw)
         self.server = uvicorn.Server(config)
         self.task: asyncio.Task[None] | None = None
         self.port = 0

@@ -6,6 +6,7 @@ import asyncio
 import time
 
 import httpx
+import pytest
 from router_fakeworker import wait_for
 
 BS = 16
@@ -18,9 +19,10 @@ def err(resp: httpx.Response, status: int) -> str:
     return body["error"]["message"]
 
 
-async def test_malformed_bodies_get_documented_4xx(workers, router, http):
+@pytest.mark.parametrize("serve", ["direct", "asgi"])  # router.http's protocol / plain uvicorn
+async def test_malformed_bodies_get_documented_4xx(workers, router, http, serve):
     a = await workers("a")
-    r = await router([a], proxy={"max_body_bytes": 4096})
+    r = await router([a], proxy={"max_body_bytes": 4096}, plain_asgi=serve == "asgi")
     u = r.url
     assert "JSON" in err(await http.post(u + "/route", content=b"{not json"), 400)
     assert "token_ids" in err(await http.post(u + "/route", json={"token_ids": "abc"}), 422)

@@ -7,6 +7,7 @@ import asyncio
 
 import httpx
 import openai
+import pytest
 from router_fakeworker import wait_for
 
 PREFIX = "You are a careful assistant. " * 20  # 580 bytes = 36 full blocks
@@ -26,10 +27,15 @@ def metric(text: str, name: str, **labels: str) -> float:
     return total
 
 
-async def test_openai_client_completions_and_chat_streaming_and_not(workers, router, http):
+# "direct": router.http's protocol serves the proxy; "asgi": the app under plain uvicorn
+SERVES = pytest.mark.parametrize("serve", ["direct", "asgi"])
+
+
+@SERVES
+async def test_openai_client_completions_and_chat_streaming_and_not(workers, router, http, serve):
     a = await workers("a")
     b = await workers("b")
-    r = await router([a, b])
+    r = await router([a, b], plain_asgi=serve == "asgi")
     client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="test", max_retries=0)
     try:
         raw = await client.completions.with_raw_response.create(
@@ -97,9 +103,10 @@ async def test_openai_client_completions_and_chat_streaming_and_not(workers, rou
     assert r.state.inflight == 0
 
 
-async def test_client_disconnect_mid_stream_cancels_upstream(workers, router):
+@SERVES
+async def test_client_disconnect_mid_stream_cancels_upstream(workers, router, serve):
     a = await workers("a", chunks=400, chunk_delay_s=0.02)
-    r = await router([a])
+    r = await router([a], plain_asgi=serve == "asgi")
     async with (
         httpx.AsyncClient(timeout=30, trust_env=False) as c,
         c.stream("POST", r.url + "/v1/completions", json={"prompt": "hi", "stream": True}) as resp,
@@ -116,9 +123,10 @@ async def test_client_disconnect_mid_stream_cancels_upstream(workers, router):
     assert r.state.load.get(("a", 0)) is None
 
 
-async def test_client_disconnect_before_first_byte_cancels_upstream(workers, router):
+@SERVES
+async def test_client_disconnect_before_first_byte_cancels_upstream(workers, router, serve):
     a = await workers("a", first_token_delay_s=60)
-    r = await router([a])
+    r = await router([a], plain_asgi=serve == "asgi")
     async with httpx.AsyncClient(timeout=30, trust_env=False) as c:
         task = asyncio.create_task(c.post(r.url + "/v1/completions", json={"prompt": "hi"}))
         await wait_for(lambda: a.running == 1, 20, "request reached the worker")

@@ -1,0 +1,204 @@
+"""``router.http``: the hot endpoints answered from the parser, checked on a raw socket with a
+real HTTP parser (h11) on the client side: answers equal the app's, pipelined requests keep their
+order, ``Connection: close`` and HTTP/1.0 close, odd bodies get the documented 4xx."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import h11
+import httpx
+from router_fakeworker import wait_for
+
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 8  # 360 bytes = 22 full blocks
+
+
+class RawClient:
+    """One keep-alive connection; requests are written as given (pipelining allowed) and each
+    response is parsed by a fresh h11 client state machine, fed what the previous one left."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.buffer = b""
+
+    @classmethod
+    async def open(cls, url: str) -> RawClient:
+        host, port = url.removeprefix("http://").split(":")
+        return cls(*await asyncio.open_connection(host, int(port)))
+
+    async def send_raw(self, *requests: bytes) -> None:
+        self.writer.write(b"".join(requests))
+        await self.writer.drain()
+
+    async def response(self) -> tuple[int, dict[str, str], bytes]:
+        conn = h11.Connection(h11.CLIENT)
+        if self.buffer:  # (b"" would mean end of stream to h11)
+            conn.receive_data(self.buffer)
+        status, headers, body = 0, {}, b""
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                conn.receive_data(await asyncio.wait_for(self.reader.read(1 << 16), 20))
+            elif isinstance(event, h11.Response):
+                status = event.status_code
+                headers = {k.decode(): v.decode() for k, v in event.headers}
+            elif isinstance(event, h11.Data):
+                body += event.data
+            elif isinstance(event, h11.EndOfMessage):
+                self.buffer = conn.trailing_data[0]
+                return status, headers, body
+            else:
+                raise AssertionError(f"unexpected {event!r}")
+
+    async def closed_by_server(self) -> bool:
+        return self.buffer == b"" and await asyncio.wait_for(self.reader.read(1), 20) == b""
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def post(path: str, body: Any, *, extra: bytes = b"", version: bytes = b"1.1") -> bytes:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return (
+        b"POST %s HTTP/%s\r\nHost: t\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n%s\r\n%s" % (path.encode(), version, len(data), extra, data)
+    )
+
+
+def get(path: str) -> bytes:
+    return b"GET %s HTTP/1.1\r\nHost: t\r\n\r\n" % path.encode()
+
+
+def without_route_id(answer: bytes) -> dict[str, Any]:
+    out: dict[str, Any] = json.loads(answer)
+    out.pop("route_id", None)
+    return out
+
+
+async def test_direct_route_answers_like_the_app(workers, router, http):
+    a = await workers("a")
+    b = await workers("b")
+    b.store(list(PROMPT.encode()))
+    r = await router([a, b])
+    await wait_for(lambda: r.matched(list(PROMPT.encode()), "b") == 22, 10, "events")
+    by_tokens = await http.post(r.url + "/route", json={"token_ids": list(PROMPT.encode())})
+    by_prompt = await http.post(r.url + "/route", json={"prompt": PROMPT})  # through the app
+    assert by_tokens.status_code == by_prompt.status_code == 200
+    assert by_tokens.headers["content-type"] == "application/json"
+    assert json.loads(by_tokens.content) == json.loads(by_prompt.content)
+    assert json.loads(by_tokens.content)["worker_id"] == "b"
+    # the token array anywhere among the fields, and compact or spaced, parses the same
+    for body in (
+        b'{"model": null, "token_ids": %s, "account": false}'
+        % json.dumps(list(PROMPT.encode())).encode(),
+        b'{"token_ids":%s}' % json.dumps(list(PROMPT.encode()), separators=(",", ":")).encode(),
+    ):
+        resp = await http.post(r.url + "/route", content=body)
+        assert json.loads(resp.content) == json.loads(by_tokens.content)
+
+
+async def test_pipelined_requests_are_answered_in_order(workers, router):
+    a = await workers("a")
+    r = await router([a])
+    c = await RawClient.open(r.url)
+    try:
+        await c.send_raw(
+            post("/route", {"token_ids": [1] * 40}),
+            get("/health"),
+            post("/v1/completions", {"model": "fake-model", "prompt": "hi", "max_tokens": 2}),
+            post("/route", {"prompt": "hello"}),  # through the app, behind the proxied one
+            post("/route", {"token_ids": [2] * 40}),
+        )
+        s1, _, b1 = await c.response()
+        s2, _, b2 = await c.response()
+        s3, h3, b3 = await c.response()
+        s4, _, b4 = await c.response()
+        s5, _, b5 = await c.response()
+    finally:
+        c.close()
+    assert (s1, s2, s3, s4, s5) == (200, 200, 200, 200, 200)
+    assert json.loads(b1)["request_blocks"] == 2
+    assert json.loads(b2)["status"] == "ok"
+    assert h3["x-kvrouter-worker"] == "a" and json.loads(b3)["choices"][0]["text"].startswith("tok")
+    assert json.loads(b4)["request_blocks"] == 0
+    assert json.loads(b5)["request_blocks"] == 2
+    assert len(a.requests) == 1
+    # a proxied request answered directly first: the rest queue behind it
+    c = await RawClient.open(r.url)
+    try:
+        await c.send_raw(
+            post("/v1/completions", {"model": "fake-model", "prompt": "hi", "stream": True}),
+            get("/health"),
+            post("/route", {"token_ids": [3] * 48}),
+        )
+        answers = [await c.response() for _ in range(3)]
+    finally:
+        c.close()
+    assert [s for s, _, _ in answers] == [200, 200, 200]
+    assert answers[0][1]["transfer-encoding"] == "chunked"
+    assert answers[0][2].rstrip().endswith(b"data: [DONE]")
+    assert json.loads(answers[1][2])["status"] == "ok"
+    assert json.loads(answers[2][2])["request_blocks"] == 3
+
+
+async def test_connection_close_and_http10_close_after_the_answer(workers, router):
+    a = await workers("a")
+    r = await router([a])
+    for extra, version in ((b"Connection: close\r\n", b"1.1"), (b"", b"1.0")):
+        for path, body in (
+            ("/route", {"token_ids": [1] * 20}),
+            ("/v1/completions", {"model": "fake-model", "prompt": "x"}),
+        ):
+            c = await RawClient.open(r.url)
+            try:
+                await c.send_raw(post(path, body, extra=extra, version=version))
+                status, headers, _ = await c.response()
+                assert status == 200, (path, version)
+                if version == b"1.1":
+                    assert headers.get("connection") == "close"
+                assert await c.closed_by_server(), (path, version)
+            finally:
+                c.close()
+
+
+async def test_odd_route_bodies(workers, router, http):
+    a = await workers("a")
+    r = await router([a])
+
+    async def err(body: bytes, status: int) -> str:
+        resp = await http.post(r.url + "/route", content=body)
+        assert resp.status_code == status, (body, resp.text)
+        return str(resp.json()["error"]["message"])
+
+    assert "token_ids" in await err(b'{"token_ids": [[1, 2], [3]]}', 422)
+    assert "JSON" in await err(b'{"token_ids": [1,,2]}', 400)
+    assert "JSON" in await err(b'{"token_ids": [1, 2], "model": }', 400)
+    assert "token_ids[0]" in await err(b'{"token_ids": [1.5]}', 422)
+    assert "token_ids" in await err(b'{"token_ids": ["a]"]}', 422)
+    # only a top-level token_ids counts: a nested one is just an unknown field's content
+    assert "required" in await err(b'{"x": {"token_ids": [1, 2, 3]}}', 400)
+    ok = await http.post(
+        r.url + "/route",
+        content=b'{"x": {"token_ids": [9]}, "token_ids": [%s]}' % b",".join([b"5"] * 32),
+    )
+    assert ok.status_code == 200 and ok.json()["request_blocks"] == 2
+    # a key with an escaped quote is not token_ids
+    assert "required" in await err(b'{"token_ids\\"": [1, 2]}', 400)
+
+
+async def test_streamed_body_over_the_limit_gets_413_then_close(workers, router):
+    a = await workers("a")
+    r = await router([a], proxy={"max_body_bytes": 1024})
+    async with httpx.AsyncClient(timeout=20, trust_env=False) as c:
+
+        async def chunks():  # no Content-Length: the limit is found while reading
+            for _ in range(40):
+                yield b"x" * 100
+
+        for path in ("/route", "/v1/completions"):
+            resp = await c.post(r.url + path, content=chunks())
+            assert resp.status_code == 413, path
+            assert "1024" in resp.json()["error"]["message"]
+    assert not a.requests
