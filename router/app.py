@@ -82,7 +82,7 @@ async def release_route(request: Request) -> Response:
 async def models(request: Request) -> Response:
     state = _state(request)
     if any(not st.models() for st in state.registry.states()):
-        await state.registry.check_all(state.client)
+        await state.registry.check_all(state.upstream)
     names = sorted(state.registry.known_models())
     created = int(state.started_at)
     data = [{"id": m, "object": "model", "created": created, "owned_by": "kvrouter"} for m in names]
@@ -245,7 +245,7 @@ def create_app(settings: Settings) -> FastAPI:
             for key in state.index.workers():  # restored ranks of workers no longer configured
                 if key[0] not in configured:
                     state.index.remove_worker(key[0])
-            tasks.append(asyncio.create_task(state.registry.run(client), name="health"))
+            tasks.append(asyncio.create_task(state.registry.run(state.upstream), name="health"))
             tasks.append(asyncio.create_task(_housekeeping(state), name="housekeeping"))
             if settings.snapshot.path:
                 tasks.append(asyncio.create_task(_snapshots(state), name="snapshots"))

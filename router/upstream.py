@@ -298,6 +298,22 @@ class UpstreamPool:
             if not ok:  # error or cancellation: the connection's state is unknown
                 conn.close()
 
+    async def get(self, base_url: str, path: str, timeout_s: float) -> tuple[int, bytes]:
+        """A small ``GET`` (health checks, scraping): status and whole body within
+        ``timeout_s``; raises :class:`UpstreamError`."""
+
+        async def exchange() -> tuple[int, bytes]:
+            resp = await self.request(base_url, "GET", path, (), b"")
+            try:
+                return resp.status_code, await resp.read()
+            finally:
+                await resp.aclose()
+
+        try:
+            return await _within(exchange(), timeout_s)
+        except asyncio.TimeoutError as e:
+            raise ReadTimeout(f"GET {base_url}{path} took over {timeout_s} s") from e
+
     async def aclose(self) -> None:
         for conns in self._idle.values():
             for c in conns:
