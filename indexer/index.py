@@ -561,7 +561,7 @@ class PrefixIndex:
                 alive &= p
                 if not alive:
                     break
-            length = sum(1 for _ in grp)
+            length = len(list(grp))
             pred &= alive
             while pred:
                 lowbit = pred & -pred

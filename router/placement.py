@@ -9,6 +9,7 @@ app (:func:`route_answer`).
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 
 from router.api import (
     CandidateOut,
@@ -67,6 +68,7 @@ def _answer(
         route_id = state.accounts.add(state.commit(d, best, kind="route_account"))
     else:
         m.child(m.route_decisions, c.key[0], "route").inc()
+    breakdowns: dict[int, dict[str, int]] = {}
     out = RouteOut(
         worker_id=c.key[0],
         dp_rank=c.key[1],
@@ -76,18 +78,18 @@ def _answer(
         cached_blocks=c.matched_blocks,
         candidates=[
             CandidateOut(
-                worker_id=x.key[0],
-                dp_rank=x.key[1],
-                healthy=x.healthy,
-                matched_blocks=x.matched_blocks,
-                matched_by_tier=tier_breakdown(x.by_tier),
-                predicted_blocks=x.predicted_blocks,
-                active_blocks=x.active_blocks,
-                inflight_prefill_blocks=x.inflight_prefill,
-                shared_active_blocks=x.shared_active,
-                shared_prefill_blocks=x.shared_prefill,
-                credited_blocks=x.credited,
-                cost=x.cost,
+                x.key[0],
+                x.key[1],
+                x.healthy,
+                x.matched_blocks,
+                _breakdown(x.by_tier, breakdowns),
+                x.predicted_blocks,
+                x.active_blocks,
+                x.inflight_prefill,
+                x.shared_active,
+                x.shared_prefill,
+                x.credited,
+                x.cost,
             )
             for x in d.candidates
         ],
@@ -96,3 +98,11 @@ def _answer(
     data = encode(out)
     m.route_latency.observe(time.perf_counter() - t0)
     return data
+
+
+def _breakdown(by_tier: Mapping[str, int], seen: dict[int, dict[str, int]]) -> dict[str, int]:
+    """``tier_breakdown``, once per distinct mapping: the index shares one per match length."""
+    out = seen.get(id(by_tier))
+    if out is None:
+        out = seen[id(by_tier)] = tier_breakdown(by_tier)
+    return out

@@ -90,9 +90,13 @@ class Candidate(msgspec.Struct, gc=False):
 
 def credited_blocks(by_tier: Mapping[str, int], predicted: int, weights: ScoreWeights) -> float:
     c = float(predicted)
+    tw = weights.tier_weights  # (tier_weight, inlined: this runs per candidate per request)
     for tier, m in by_tier.items():
         if m:
-            c += weights.tier_weight(tier) * m
+            w = tw.get(tier)
+            if w is None:
+                w = tw.get("EXTERNAL", 0.3)
+            c += w * m
     return c
 
 
@@ -146,12 +150,12 @@ def rank(
     The order is the retry order of the proxy: the first is the choice.
     """
     healthy: list[tuple[float, float, int, int]] = []
+    append = healthy.append
     for i, c in enumerate(candidates):
         cost = score(c, n, weights)
         if c.healthy:
-            load = c.inflight_prefill + c.active_blocks
             wh = c.whash if c.whash >= 0 else worker_hash(c.key)
-            healthy.append((cost, load, tie_hash(request_key, wh), i))
+            append((cost, c.inflight_prefill + c.active_blocks, tie_hash(request_key, wh), i))
     healthy.sort()
     order = [t[3] for t in healthy]
     if temperature > 0.0 and len(order) > 1:

@@ -40,6 +40,7 @@ __all__ = ["Decision", "RouterState"]
 
 log = logging.getLogger("kvrouter.router")
 _M64 = (1 << 64) - 1
+_NO_MATCH = WorkerMatch(0, {})
 
 
 class Decision:
@@ -235,18 +236,33 @@ class RouterState:
                 n = res.request_blocks
             hashes, matches = entry
             for key, wh in zip(st.keys, st.key_hashes):
-                c = Candidate(key, st.healthy, whash=wh)
-                wm = matches.get(key)
-                if wm is not None:
-                    c.matched_blocks = wm.matched_blocks
-                    c.by_tier = wm.by_tier
-                    c.predicted_blocks = wm.predicted_blocks
+                wm = matches.get(key, _NO_MATCH)
                 ld = load_get(key)
-                if ld is not None:
-                    c.inflight_prefill = ld.inflight_prefill
-                    c.active_blocks = ld.active_blocks
-                    c.shared_active, c.shared_prefill = self.load.shared(key, hashes)
-                c.scraped = st.scraped
+                if ld is None:
+                    c = Candidate(
+                        key,
+                        st.healthy,
+                        wm.matched_blocks,
+                        wm.by_tier,
+                        wm.predicted_blocks,
+                        scraped=st.scraped,
+                        whash=wh,
+                    )
+                else:
+                    shared_active, shared_prefill = self.load.shared(key, hashes)
+                    c = Candidate(
+                        key,
+                        st.healthy,
+                        wm.matched_blocks,
+                        wm.by_tier,
+                        wm.predicted_blocks,
+                        ld.inflight_prefill,
+                        ld.active_blocks,
+                        shared_active,
+                        shared_prefill,
+                        st.scraped,
+                        wh,
+                    )
                 candidates.append(c)
                 cand_hashes.append(hashes)
                 cand_states.append(st)
