@@ -126,7 +126,7 @@ class Client:
         self.sock.sendall(req)
         buf = b""
         while True:
-            chunk = self.sock.recv(1 << 20)
+            chunk = self.sock.recv(65536)
             if not chunk:
                 raise ConnectionError("server closed the connection")
             buf += chunk
