@@ -251,6 +251,298 @@ static PyObject *chain_hashes_json(PyObject *self, PyObject *args) {
 }
 
 
+/* ---- MaskMap: router hash -> slot mask (a Python int), the index's `present` table.
+ * Open addressing over (uint64 key, mask) pairs: a lookup reads one slot, where a dict reads its
+ * index array, its entry and the key's int object -- the /route walk is ~256 lookups into a table
+ * of 10^5..10^6 blocks and is bound by those cache misses -- and no int object is kept per key.
+ * Linear probing, backward-shift deletion, positions mixed with a per-table seed (keys come from
+ * client-chosen tokens). Values are ints only, so the type needs no GC support. */
+
+typedef struct {
+    uint64_t key;
+    PyObject *val; /* NULL: empty slot */
+} MMSlot;
+
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t used;
+    size_t mask; /* capacity - 1; capacity is a power of two */
+    MMSlot *slots;
+    uint64_t seed;
+} MaskMap;
+
+static PyTypeObject MaskMapType;
+
+static inline size_t mm_pos(const MaskMap *m, uint64_t key) {
+    return (size_t)fmix64(key ^ m->seed) & m->mask;
+}
+
+static inline PyObject *mm_get(const MaskMap *m, uint64_t key) { /* borrowed, or NULL */
+    size_t i = mm_pos(m, key);
+    for (;;) {
+        const MMSlot *s = &m->slots[i];
+        if (s->val == NULL) return NULL;
+        if (s->key == key) return s->val;
+        i = (i + 1) & m->mask;
+    }
+}
+
+static int mm_grow(MaskMap *m) {
+    size_t oldcap = m->mask + 1, cap = oldcap * 2;
+    MMSlot *old = m->slots;
+    MMSlot *ns = PyMem_Calloc(cap, sizeof(MMSlot));
+    if (ns == NULL) { PyErr_NoMemory(); return -1; }
+    m->slots = ns;
+    m->mask = cap - 1;
+    for (size_t j = 0; j < oldcap; j++) {
+        if (old[j].val == NULL) continue;
+        size_t i = mm_pos(m, old[j].key);
+        while (ns[i].val != NULL) i = (i + 1) & m->mask;
+        ns[i] = old[j];
+    }
+    PyMem_Free(old);
+    return 0;
+}
+
+static int mm_set(MaskMap *m, uint64_t key, PyObject *val) { /* val is not stolen */
+    size_t i = mm_pos(m, key);
+    for (;;) {
+        MMSlot *s = &m->slots[i];
+        if (s->val == NULL) break;
+        if (s->key == key) {
+            Py_INCREF(val);
+            Py_SETREF(s->val, val);
+            return 0;
+        }
+        i = (i + 1) & m->mask;
+    }
+    if ((size_t)(m->used + 1) * 2 > m->mask + 1) { /* load <= 1/2: short probe runs */
+        if (mm_grow(m) < 0) return -1;
+        i = mm_pos(m, key);
+        while (m->slots[i].val != NULL) i = (i + 1) & m->mask;
+    }
+    Py_INCREF(val);
+    m->slots[i].key = key;
+    m->slots[i].val = val;
+    m->used++;
+    return 0;
+}
+
+static int mm_del(MaskMap *m, uint64_t key) { /* 1: deleted, 0: absent */
+    size_t i = mm_pos(m, key);
+    for (;;) {
+        if (m->slots[i].val == NULL) return 0;
+        if (m->slots[i].key == key) break;
+        i = (i + 1) & m->mask;
+    }
+    PyObject *old = m->slots[i].val;
+    size_t j = i;
+    for (;;) { /* pull later entries of the run back over the hole */
+        j = (j + 1) & m->mask;
+        if (m->slots[j].val == NULL) break;
+        size_t k = mm_pos(m, m->slots[j].key);
+        int stays = i <= j ? (i < k && k <= j) : (i < k || k <= j);
+        if (stays) continue;
+        m->slots[i] = m->slots[j];
+        i = j;
+    }
+    m->slots[i].val = NULL;
+    m->slots[i].key = 0;
+    m->used--;
+    Py_DECREF(old);
+    return 1;
+}
+
+static int mm_key(PyObject *k, uint64_t *out) {
+    if (!PyLong_Check(k)) {
+        PyErr_Format(PyExc_TypeError, "MaskMap keys are ints, not %.100s", Py_TYPE(k)->tp_name);
+        return -1;
+    }
+    uint64_t v = (uint64_t)PyLong_AsUnsignedLongLong(k);
+    if (v == (uint64_t)-1 && PyErr_Occurred()) return -1;
+    *out = v;
+    return 0;
+}
+
+static PyObject *MaskMap_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"seed", NULL};
+    unsigned long long seed = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|K", kwlist, &seed)) return NULL;
+    MaskMap *m = (MaskMap *)type->tp_alloc(type, 0);
+    if (m == NULL) return NULL;
+    m->slots = PyMem_Calloc(8, sizeof(MMSlot));
+    if (m->slots == NULL) { Py_DECREF(m); return PyErr_NoMemory(); }
+    m->mask = 7;
+    m->used = 0;
+    m->seed = (uint64_t)seed;
+    return (PyObject *)m;
+}
+
+static void mm_clear_all(MaskMap *m) {
+    if (m->slots == NULL) return;
+    for (size_t j = 0; j <= m->mask; j++) Py_CLEAR(m->slots[j].val);
+    m->used = 0;
+}
+
+static void MaskMap_dealloc(MaskMap *m) {
+    mm_clear_all(m);
+    PyMem_Free(m->slots);
+    Py_TYPE(m)->tp_free((PyObject *)m);
+}
+
+static Py_ssize_t MaskMap_len(MaskMap *m) { return m->used; }
+
+static PyObject *MaskMap_subscript(MaskMap *m, PyObject *k) {
+    uint64_t key;
+    if (mm_key(k, &key) < 0) return NULL;
+    PyObject *v = mm_get(m, key);
+    if (v == NULL) { PyErr_SetObject(PyExc_KeyError, k); return NULL; }
+    Py_INCREF(v);
+    return v;
+}
+
+static int MaskMap_ass_subscript(MaskMap *m, PyObject *k, PyObject *v) {
+    uint64_t key;
+    if (mm_key(k, &key) < 0) return -1;
+    if (v == NULL) {
+        if (!mm_del(m, key)) { PyErr_SetObject(PyExc_KeyError, k); return -1; }
+        return 0;
+    }
+    if (!PyLong_Check(v)) {
+        PyErr_Format(PyExc_TypeError, "MaskMap values are ints, not %.100s", Py_TYPE(v)->tp_name);
+        return -1;
+    }
+    return mm_set(m, key, v);
+}
+
+static int MaskMap_contains(MaskMap *m, PyObject *k) {
+    uint64_t key;
+    if (!PyLong_Check(k)) return 0;
+    if (mm_key(k, &key) < 0) { PyErr_Clear(); return 0; }
+    return mm_get(m, key) != NULL;
+}
+
+static PyObject *MaskMap_get(MaskMap *m, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "get(key, default=None)");
+        return NULL;
+    }
+    PyObject *dflt = nargs == 2 ? args[1] : Py_None;
+    uint64_t key;
+    PyObject *v = NULL;
+    if (PyLong_Check(args[0])) {
+        if (mm_key(args[0], &key) < 0) PyErr_Clear(); /* not a 64-bit hash: never stored */
+        else v = mm_get(m, key);
+    }
+    if (v == NULL) v = dflt;
+    Py_INCREF(v);
+    return v;
+}
+
+static PyObject *MaskMap_pop(MaskMap *m, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "pop(key[, default])");
+        return NULL;
+    }
+    uint64_t key;
+    PyObject *v = NULL;
+    if (PyLong_Check(args[0]) && mm_key(args[0], &key) == 0) v = mm_get(m, key);
+    else PyErr_Clear();
+    if (v == NULL) {
+        if (nargs == 2) { Py_INCREF(args[1]); return args[1]; }
+        PyErr_SetObject(PyExc_KeyError, args[0]);
+        return NULL;
+    }
+    Py_INCREF(v);
+    mm_del(m, key);
+    return v;
+}
+
+static PyObject *MaskMap_items(MaskMap *m, PyObject *unused) {
+    PyObject *out = PyList_New(m->used);
+    if (out == NULL) return NULL;
+    Py_ssize_t n = 0;
+    for (size_t j = 0; j <= m->mask && n < m->used; j++) {
+        if (m->slots[j].val == NULL) continue;
+        PyObject *k = PyLong_FromUnsignedLongLong(m->slots[j].key);
+        PyObject *t = k ? PyTuple_Pack(2, k, m->slots[j].val) : NULL;
+        Py_XDECREF(k);
+        if (t == NULL) { Py_DECREF(out); return NULL; }
+        PyList_SET_ITEM(out, n++, t);
+    }
+    return out;
+}
+
+static PyObject *MaskMap_keys(MaskMap *m, PyObject *unused) {
+    PyObject *out = PyList_New(m->used);
+    if (out == NULL) return NULL;
+    Py_ssize_t n = 0;
+    for (size_t j = 0; j <= m->mask && n < m->used; j++) {
+        if (m->slots[j].val == NULL) continue;
+        PyObject *k = PyLong_FromUnsignedLongLong(m->slots[j].key);
+        if (k == NULL) { Py_DECREF(out); return NULL; }
+        PyList_SET_ITEM(out, n++, k);
+    }
+    return out;
+}
+
+static PyObject *MaskMap_iter(MaskMap *m) {
+    PyObject *keys = MaskMap_keys(m, NULL);
+    if (keys == NULL) return NULL;
+    PyObject *it = PyObject_GetIter(keys);
+    Py_DECREF(keys);
+    return it;
+}
+
+static PyObject *MaskMap_clear(MaskMap *m, PyObject *unused) {
+    mm_clear_all(m);
+    Py_RETURN_NONE;
+}
+
+static PyObject *MaskMap_sizeof(MaskMap *m, PyObject *unused) {
+    return PyLong_FromSize_t(sizeof(MaskMap) + (m->mask + 1) * sizeof(MMSlot));
+}
+
+static PyMethodDef MaskMap_methods[] = {
+    {"get", (PyCFunction)(void (*)(void))MaskMap_get, METH_FASTCALL, "get(key, default=None)"},
+    {"pop", (PyCFunction)(void (*)(void))MaskMap_pop, METH_FASTCALL, "pop(key[, default])"},
+    {"items", (PyCFunction)MaskMap_items, METH_NOARGS, "a list of (key, mask) pairs"},
+    {"keys", (PyCFunction)MaskMap_keys, METH_NOARGS, "a list of the keys"},
+    {"clear", (PyCFunction)MaskMap_clear, METH_NOARGS, "remove every entry"},
+    {"__sizeof__", (PyCFunction)MaskMap_sizeof, METH_NOARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMappingMethods MaskMap_as_mapping = {
+    (lenfunc)MaskMap_len, (binaryfunc)MaskMap_subscript, (objobjargproc)MaskMap_ass_subscript,
+};
+
+static PySequenceMethods MaskMap_as_sequence = {
+    .sq_contains = (objobjproc)MaskMap_contains,
+};
+
+static PyTypeObject MaskMapType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "indexer._chash.MaskMap",
+    .tp_doc = "MaskMap(seed=0): uint64 router hash -> slot mask (int); a dict-like table",
+    .tp_basicsize = sizeof(MaskMap),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = MaskMap_new,
+    .tp_dealloc = (destructor)MaskMap_dealloc,
+    .tp_as_mapping = &MaskMap_as_mapping,
+    .tp_as_sequence = &MaskMap_as_sequence,
+    .tp_iter = (getiterfunc)MaskMap_iter,
+    .tp_methods = MaskMap_methods,
+};
+
+static MaskMap *as_maskmap(PyObject *o) {
+    if (!PyObject_TypeCheck(o, &MaskMapType)) {
+        PyErr_SetString(PyExc_TypeError, "present must be a MaskMap");
+        return NULL;
+    }
+    return (MaskMap *)o;
+}
+
 /* ---- index hot paths: GPU stores and removals on a worker with no colliding router blocks.
  * Each stops at the first block that needs the general Python path and returns its index, so
  * Python stays the authority on every rare case. Same semantics as the Python fallbacks in
@@ -282,9 +574,11 @@ static PyObject *store_gpu(PyObject *self, PyObject *args) {
     PyObject *table, *present, *wbit, *hashes, *tokens;
     Py_ssize_t start, bs;
     unsigned long long parent;
-    if (!PyArg_ParseTuple(args, "O!O!OO!nOnK", &PyDict_Type, &table, &PyDict_Type, &present, &wbit,
+    if (!PyArg_ParseTuple(args, "O!OOO!nOnK", &PyDict_Type, &table, &present, &wbit,
                           &PyList_Type, &hashes, &start, &tokens, &bs, &parent))
         return NULL;
+    MaskMap *pm = as_maskmap(present);
+    if (pm == NULL) return NULL;
     if (bs <= 0) { PyErr_SetString(PyExc_ValueError, "block_size must be positive"); return NULL; }
     PyObject *fast = PySequence_Fast(tokens, "token_ids must be a sequence of ints");
     if (fast == NULL) return NULL;
@@ -304,10 +598,9 @@ static PyObject *store_gpu(PyObject *self, PyObject *args) {
         if (err) goto fail;
         PyObject *hv = PyLong_FromUnsignedLongLong(h);
         if (hv == NULL) goto fail;
-        PyObject *m = PyDict_GetItemWithError(present, hv); /* borrowed */
+        PyObject *m = mm_get(pm, h); /* borrowed */
         PyObject *nm;
         if (m == NULL) {
-            if (PyErr_Occurred()) { Py_DECREF(hv); goto fail; }
             nm = wbit;
             Py_INCREF(nm);
         } else {
@@ -319,7 +612,7 @@ static PyObject *store_gpu(PyObject *self, PyObject *args) {
             nm = PyNumber_Or(m, wbit);
             if (nm == NULL) { Py_DECREF(hv); goto fail; }
         }
-        if (PyDict_SetItem(table, e, hv) < 0 || PyDict_SetItem(present, hv, nm) < 0) {
+        if (PyDict_SetItem(table, e, hv) < 0 || mm_set(pm, h, nm) < 0) {
             Py_DECREF(hv); Py_DECREF(nm); goto fail;
         }
         Py_DECREF(hv);
@@ -336,9 +629,11 @@ fail:
 static PyObject *remove_gpu(PyObject *self, PyObject *args) {
     PyObject *table, *emask, *present, *keep, *hashes;
     Py_ssize_t start;
-    if (!PyArg_ParseTuple(args, "O!O!O!OO!n", &PyDict_Type, &table, &PyDict_Type, &emask,
-                          &PyDict_Type, &present, &keep, &PyList_Type, &hashes, &start))
+    if (!PyArg_ParseTuple(args, "O!O!OOO!n", &PyDict_Type, &table, &PyDict_Type, &emask,
+                          &present, &keep, &PyList_Type, &hashes, &start))
         return NULL;
+    MaskMap *pm = as_maskmap(present);
+    if (pm == NULL) return NULL;
     Py_ssize_t n = PyList_GET_SIZE(hashes);
     Py_ssize_t i = start;
     for (; i < n; i++) {
@@ -348,17 +643,18 @@ static PyObject *remove_gpu(PyObject *self, PyObject *args) {
         int special = PyDict_Contains(emask, e);
         if (special < 0) return NULL;
         if (special) break;
+        uint64_t hk;
+        if (mm_key(h, &hk) < 0) return NULL;
         Py_INCREF(h);
-        PyObject *m = PyDict_GetItemWithError(present, h);
+        PyObject *m = mm_get(pm, hk);
         if (m == NULL) {
             Py_DECREF(h);
-            if (PyErr_Occurred()) return NULL;
             break; /* inconsistent: let Python decide */
         }
         PyObject *nm = PyNumber_And(m, keep);
         if (nm == NULL) { Py_DECREF(h); return NULL; }
         int alive = PyObject_IsTrue(nm);
-        int rc = alive ? PyDict_SetItem(present, h, nm) : PyDict_DelItem(present, h);
+        int rc = alive ? mm_set(pm, hk, nm) : (mm_del(pm, hk), 0);
         Py_DECREF(nm);
         if (rc < 0 || PyDict_DelItem(table, e) < 0) { Py_DECREF(h); return NULL; }
         Py_DECREF(h);
@@ -397,14 +693,15 @@ static int spread_bits(PyObject *mask, PyObject *lengths, Py_ssize_t value) {
 /* walk_lengths(present, hashes, alive, nslots) -> (lengths, end)
  * Looks each router hash up in ``present`` (hash -> slot mask), stopping at the first block no
  * slot holds or once no slot of ``alive`` is left (``end``), and returns each slot's matched
- * prefix length. Per block: one dict lookup and one compare; bigint work only where the holder
+ * prefix length. Per block: one table lookup and one compare; bigint work only where the holder
  * set changes, which along a shared prefix is rare. */
 static PyObject *walk_lengths(PyObject *self, PyObject *args) {
     PyObject *present, *hashes, *alive;
     Py_ssize_t nslots;
-    if (!PyArg_ParseTuple(args, "O!O!On", &PyDict_Type, &present, &PyList_Type, &hashes, &alive,
-                          &nslots))
+    if (!PyArg_ParseTuple(args, "OO!On", &present, &PyList_Type, &hashes, &alive, &nslots))
         return NULL;
+    MaskMap *pm = as_maskmap(present);
+    if (pm == NULL) return NULL;
     PyObject *lengths = PyList_New(nslots);
     if (lengths == NULL) return NULL;
     PyObject *zero = PyLong_FromLong(0);
@@ -414,11 +711,13 @@ static PyObject *walk_lengths(PyObject *self, PyObject *args) {
     PyObject *prev = NULL;
     Py_ssize_t n = PyList_GET_SIZE(hashes), i = 0;
     for (; i < n; i++) {
-        PyObject *m = PyDict_GetItemWithError(present, PyList_GET_ITEM(hashes, i));
-        if (m == NULL) {
-            if (PyErr_Occurred()) goto fail;
-            break;
-        }
+        PyObject *hk = PyList_GET_ITEM(hashes, i);
+        uint64_t key;
+        if (!PyLong_Check(hk)) break; /* never stored */
+        key = (uint64_t)PyLong_AsUnsignedLongLong(hk);
+        if (key == (uint64_t)-1 && PyErr_Occurred()) { PyErr_Clear(); break; }
+        PyObject *m = mm_get(pm, key);
+        if (m == NULL) break;
         if (prev != NULL) {
             if (m == prev) continue;
             int same = PyObject_RichCompareBool(m, prev, Py_EQ);
@@ -563,4 +862,15 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_chash", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__chash(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__chash(void) {
+    if (PyType_Ready(&MaskMapType) < 0) return NULL;
+    PyObject *mod = PyModule_Create(&module);
+    if (mod == NULL) return NULL;
+    Py_INCREF(&MaskMapType);
+    if (PyModule_AddObject(mod, "MaskMap", (PyObject *)&MaskMapType) < 0) {
+        Py_DECREF(&MaskMapType);
+        Py_DECREF(mod);
+        return NULL;
+    }
+    return mod;
+}

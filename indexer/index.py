@@ -17,6 +17,7 @@ Single writer: only the subscriber task calls the mutating methods; nothing here
 from __future__ import annotations
 
 import os
+import random
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby
@@ -137,7 +138,7 @@ class PrefixIndex:
         self._free_slots: list[int] = []
         self._all_bits = 0
         self._keys_cache: list[WorkerKey] | None = None
-        self._present: dict[int, int] = {}
+        self._present: dict[int, int] = _new_present()
         # slots holding a block on no GPU tier at all, and per lower tier the slots holding it
         self._nogpu: dict[int, int] = {}
         self._low: list[dict[int, int]] = [{} for _ in range(_MAX_TIERS)]
@@ -854,11 +855,22 @@ def _py_remove_gpu(
 
 
 try:
+    from indexer._chash import MaskMap as _MaskMap
     from indexer._chash import remove_gpu as _remove_gpu
     from indexer._chash import store_gpu as _store_gpu
 except ImportError:  # pragma: no cover - only where the extension could not be built
+    _MaskMap = None
     _store_gpu = _py_store_gpu
     _remove_gpu = _py_remove_gpu
+
+
+def _new_present() -> dict[int, int]:
+    """The router hash -> slot mask table: the C ``MaskMap`` (one cache line per lookup, no int
+    object per key; dict-like, typed as the dict it stands for) where built, else a dict. The C
+    hot paths need the former; the Python twins take either."""
+    if _MaskMap is None:
+        return {}
+    return _MaskMap(random.getrandbits(64))
 
 
 def _py_walk_lengths(

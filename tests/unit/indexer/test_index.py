@@ -357,11 +357,13 @@ class PyFallbackIndexMachine(IndexMachine):
     def setup(self) -> None:
         import indexer.index as mod
 
-        self._saved = (mod._store_gpu, mod._remove_gpu, mod._walk_lengths)
-        mod._store_gpu, mod._remove_gpu, mod._walk_lengths = (
+        # (and a plain dict for the present table, as where the extension is not built)
+        self._saved = (mod._store_gpu, mod._remove_gpu, mod._walk_lengths, mod._MaskMap)
+        mod._store_gpu, mod._remove_gpu, mod._walk_lengths, mod._MaskMap = (
             mod._py_store_gpu,
             mod._py_remove_gpu,
             mod._py_walk_lengths,
+            None,
         )
         super().setup()
 
@@ -369,7 +371,7 @@ class PyFallbackIndexMachine(IndexMachine):
         import indexer.index as mod
 
         if hasattr(self, "_saved"):
-            mod._store_gpu, mod._remove_gpu, mod._walk_lengths = self._saved
+            mod._store_gpu, mod._remove_gpu, mod._walk_lengths, mod._MaskMap = self._saved
 
 
 PyFallbackIndexMachine.TestCase.settings = settings(
@@ -381,7 +383,7 @@ TestPyFallbackIndexMachine = PyFallbackIndexMachine.TestCase
 def test_walk_twins_agree() -> None:
     import random
 
-    from indexer.index import _py_walk_lengths, _walk_lengths
+    from indexer.index import _new_present, _py_walk_lengths, _walk_lengths
 
     rng = random.Random(5)
     for _ in range(300):
@@ -395,6 +397,52 @@ def test_walk_twins_agree() -> None:
             if rng.random() < 0.95
         }
         alive = rng.choice([7, 3, 1, 2**70 + 7, 2**71 - 1]) & full
-        assert _walk_lengths(present, hashes, alive, nslots) == _py_walk_lengths(
+        table = _new_present()
+        for h, m in present.items():
+            table[h] = m
+        assert _walk_lengths(table, hashes, alive, nslots) == _py_walk_lengths(
             present, hashes, alive, nslots
         )
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["set", "del", "pop", "get"]),
+            st.one_of(st.integers(0, 40), st.integers(0, 2**64 - 1)),
+            st.integers(1, 2**80),
+        ),
+        max_size=400,
+    ),
+    seed=st.integers(0, 2**64 - 1),
+)
+def test_mask_map_behaves_like_a_dict(ops: list[tuple[str, int, int]], seed: int) -> None:
+    """The C present table against a dict: growth, backward-shift deletion, the mapping API."""
+    from indexer.index import _MaskMap
+
+    if _MaskMap is None:
+        pytest.skip("C extension not built")
+    m, d = _MaskMap(seed), {}
+    for op, k, v in ops:
+        if op == "set":
+            m[k] = d[k] = v
+        elif op == "del":
+            if k in d:
+                del m[k], d[k]
+            else:
+                with pytest.raises(KeyError):
+                    del m[k]
+        elif op == "pop":
+            assert m.pop(k, None) == d.pop(k, None)
+        else:
+            assert m.get(k) == d.get(k) and m.get(k, 0) == d.get(k, 0) and (k in m) == (k in d)
+        assert len(m) == len(d)
+    assert sorted(m.items()) == sorted(d.items()) and sorted(m) == sorted(d)
+    assert m.get(-1) is None and m.get(2**64) is None and -1 not in m and "x" not in m
+    with pytest.raises(TypeError):
+        m[1] = "not an int"
+    with pytest.raises(OverflowError):
+        m[2**64] = 1
+    m.clear()
+    assert len(m) == 0 and not m and m.items() == []
