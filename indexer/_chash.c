@@ -458,33 +458,28 @@ static PyObject *MaskMap_pop(MaskMap *m, PyObject *const *args, Py_ssize_t nargs
     return v;
 }
 
-static PyObject *MaskMap_items(MaskMap *m, PyObject *unused) {
+/* A list of the keys, or of (key, mask) pairs. */
+static PyObject *mm_list(MaskMap *m, int pairs) {
     PyObject *out = PyList_New(m->used);
     if (out == NULL) return NULL;
     Py_ssize_t n = 0;
     for (size_t j = 0; j <= m->mask && n < m->used; j++) {
         if (m->slots[j].val == NULL) continue;
-        PyObject *k = PyLong_FromUnsignedLongLong(m->slots[j].key);
-        PyObject *t = k ? PyTuple_Pack(2, k, m->slots[j].val) : NULL;
-        Py_XDECREF(k);
-        if (t == NULL) { Py_DECREF(out); return NULL; }
-        PyList_SET_ITEM(out, n++, t);
+        PyObject *item = PyLong_FromUnsignedLongLong(m->slots[j].key);
+        if (item != NULL && pairs) {
+            PyObject *k = item;
+            item = PyTuple_Pack(2, k, m->slots[j].val);
+            Py_DECREF(k);
+        }
+        if (item == NULL) { Py_DECREF(out); return NULL; }
+        PyList_SET_ITEM(out, n++, item);
     }
     return out;
 }
 
-static PyObject *MaskMap_keys(MaskMap *m, PyObject *unused) {
-    PyObject *out = PyList_New(m->used);
-    if (out == NULL) return NULL;
-    Py_ssize_t n = 0;
-    for (size_t j = 0; j <= m->mask && n < m->used; j++) {
-        if (m->slots[j].val == NULL) continue;
-        PyObject *k = PyLong_FromUnsignedLongLong(m->slots[j].key);
-        if (k == NULL) { Py_DECREF(out); return NULL; }
-        PyList_SET_ITEM(out, n++, k);
-    }
-    return out;
-}
+static PyObject *MaskMap_items(MaskMap *m, PyObject *unused) { return mm_list(m, 1); }
+
+static PyObject *MaskMap_keys(MaskMap *m, PyObject *unused) { return mm_list(m, 0); }
 
 static PyObject *MaskMap_iter(MaskMap *m) {
     PyObject *keys = MaskMap_keys(m, NULL);

@@ -553,13 +553,8 @@ class PrefixIndex:
             p = (p or 0) | pred
             if not p:
                 break
-            dead = alive & ~p
-            if dead:
-                while dead:
-                    lowbit = dead & -dead
-                    ended[lowbit.bit_length() - 1] = pos
-                    dead ^= lowbit
-                alive &= p
+            if alive & ~p:
+                alive = _end_slots(alive, p, ended, pos)
                 if not alive:
                     break
             length = len(list(grp))
@@ -594,13 +589,8 @@ class PrefixIndex:
                 p, extra = key
             if not p:
                 break
-            dead = alive & ~p
-            if dead:
-                while dead:
-                    lowbit = dead & -dead
-                    ended[lowbit.bit_length() - 1] = pos
-                    dead ^= lowbit
-                alive &= p
+            if alive & ~p:
+                alive = _end_slots(alive, p, ended, pos)
                 if not alive:
                     break
             length = len(list(grp))
@@ -900,6 +890,16 @@ try:
     from indexer._chash import walk_lengths as _walk_lengths
 except ImportError:  # pragma: no cover - only where the extension could not be built
     _walk_lengths = _py_walk_lengths
+
+
+def _end_slots(alive: int, present: int, ended: dict[int, int], pos: int) -> int:
+    """The slots of ``alive`` missing from ``present`` end their match at ``pos``; the rest."""
+    dead = alive & ~present
+    while dead:
+        lowbit = dead & -dead
+        ended[lowbit.bit_length() - 1] = pos
+        dead ^= lowbit
+    return alive & present
 
 
 def _or_all(d: Mapping[Any, int]) -> int:

@@ -41,6 +41,7 @@ __all__ = ["Decision", "RouterState"]
 log = logging.getLogger("kvrouter.router")
 _M64 = (1 << 64) - 1
 _NO_MATCH = WorkerMatch(0, {})
+_NO_SHARED = (0, 0)
 
 
 class Decision:
@@ -239,31 +240,25 @@ class RouterState:
                 wm = matches.get(key, _NO_MATCH)
                 ld = load_get(key)
                 if ld is None:
-                    c = Candidate(
-                        key,
-                        st.healthy,
-                        wm.matched_blocks,
-                        wm.by_tier,
-                        wm.predicted_blocks,
-                        scraped=st.scraped,
-                        whash=wh,
-                    )
+                    prefill, active, shared = 0.0, 0, _NO_SHARED
                 else:
-                    shared_active, shared_prefill = self.load.shared(key, hashes)
-                    c = Candidate(
+                    prefill, active = ld.inflight_prefill, ld.active_blocks
+                    shared = self.load.shared(key, hashes)
+                candidates.append(
+                    Candidate(
                         key,
                         st.healthy,
                         wm.matched_blocks,
                         wm.by_tier,
                         wm.predicted_blocks,
-                        ld.inflight_prefill,
-                        ld.active_blocks,
-                        shared_active,
-                        shared_prefill,
+                        prefill,
+                        active,
+                        shared[0],
+                        shared[1],
                         st.scraped,
                         wh,
                     )
-                candidates.append(c)
+                )
                 cand_hashes.append(hashes)
                 cand_states.append(st)
         if isinstance(token_ids, JsonTokens):
