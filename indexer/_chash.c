@@ -251,6 +251,46 @@ static PyObject *chain_hashes_json(PyObject *self, PyObject *args) {
 }
 
 
+/* counts_add(counts, keys, delta) -> None: counts[k] += delta for each key, dropping keys that
+ * reach <= 0 (a dict of reference counts; the router's per-worker load accounting, where a
+ * proxied request adds and later removes each of its ~10^2 blocks twice). */
+static PyObject *counts_add(PyObject *self, PyObject *args) {
+    PyObject *d, *keys;
+    long delta;
+    if (!PyArg_ParseTuple(args, "O!Ol", &PyDict_Type, &d, &keys, &delta)) return NULL;
+    PyObject *fast = PySequence_Fast(keys, "keys must be a sequence");
+    if (fast == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *k = items[i];
+        PyObject *old = PyDict_GetItemWithError(d, k); /* borrowed */
+        long v = 0;
+        if (old != NULL) {
+            v = PyLong_AsLong(old);
+            if (v == -1 && PyErr_Occurred()) goto fail;
+        } else if (PyErr_Occurred()) {
+            goto fail;
+        }
+        v += delta;
+        int rc;
+        if (v > 0) {
+            PyObject *nv = PyLong_FromLong(v);
+            if (nv == NULL) goto fail;
+            rc = PyDict_SetItem(d, k, nv);
+            Py_DECREF(nv);
+        } else {
+            rc = old != NULL ? PyDict_DelItem(d, k) : 0;
+        }
+        if (rc < 0) goto fail;
+    }
+    Py_DECREF(fast);
+    Py_RETURN_NONE;
+fail:
+    Py_DECREF(fast);
+    return NULL;
+}
+
 /* ---- MaskMap: router hash -> slot mask (a Python int), the index's `present` table.
  * Open addressing over (uint64 key, mask) pairs: a lookup reads one slot, where a dict reads its
  * index array, its entry and the key's int object -- the /route walk is ~256 lookups into a table
@@ -848,6 +888,8 @@ static PyMethodDef methods[] = {
      "store_gpu(table, present, wbit, hashes, start, tokens, block_size, parent) -> stop index"},
     {"remove_gpu", remove_gpu, METH_VARARGS,
      "remove_gpu(table, emask, present, keep, hashes, start) -> stop index"},
+    {"counts_add", counts_add, METH_VARARGS,
+     "counts_add(counts, keys, delta): counts[k] += delta, dropping keys that reach <= 0"},
     {"json_array_span", json_array_span, METH_VARARGS,
      "json_array_span(json_object_bytes, key) -> (start, end) of the top-level key's array, or None"},
     {"walk_lengths", walk_lengths, METH_VARARGS,

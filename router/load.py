@@ -62,18 +62,28 @@ class Ticket:
         self.state = 0  # 0 prefill, 1 decode, 2 done
 
 
-def _inc(d: dict[int, int], hashes: Sequence[int]) -> None:
+def _py_counts_add(d: dict[int, int], hashes: Sequence[int], delta: int) -> None:
+    """Python twin of ``indexer._chash.counts_add``."""
     for h in hashes:
-        d[h] = d.get(h, 0) + 1
-
-
-def _dec(d: dict[int, int], hashes: Sequence[int]) -> None:
-    for h in hashes:
-        c = d.get(h, 0) - 1
+        c = d.get(h, 0) + delta
         if c > 0:
             d[h] = c
         else:
             d.pop(h, None)
+
+
+try:  # a proxied request adds and removes its ~10^2 blocks twice: in C, ~5x less time
+    from indexer._chash import counts_add as _counts_add
+except ImportError:  # pragma: no cover - only where the extension could not be built
+    _counts_add = _py_counts_add
+
+
+def _inc(d: dict[int, int], hashes: Sequence[int]) -> None:
+    _counts_add(d, hashes, 1)
+
+
+def _dec(d: dict[int, int], hashes: Sequence[int]) -> None:
+    _counts_add(d, hashes, -1)
 
 
 class LoadTracker:

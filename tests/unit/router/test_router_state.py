@@ -97,3 +97,21 @@ def test_might_meet_finds_every_request_sharing_a_predicted_segment():
     p.record([8], slot=2)
     p.drop_slot(2)
     assert not p.might_meet([8])
+
+
+def test_counts_add_twins_agree():
+    """The C refcount update the load accounting uses, against its Python twin."""
+    import random
+
+    import router.load as load
+
+    rng = random.Random(9)
+    a: dict[int, int] = {}
+    b: dict[int, int] = {}
+    for _ in range(400):
+        keys = [rng.randrange(50) for _ in range(rng.randrange(0, 20))]
+        delta = rng.choice([1, 1, -1, 2, -3])
+        load._counts_add(a, keys, delta)
+        load._py_counts_add(b, keys, delta)
+        assert a == b
+        assert all(v > 0 for v in a.values())
