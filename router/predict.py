@@ -55,7 +55,7 @@ class PredictedBlocks:
         starts = self._starts
         if not starts:
             return False
-        return any(h in starts for h in hashes)
+        return not starts.keys().isdisjoint(hashes)
 
     def record(self, hashes: Sequence[int], slot: int) -> None:
         if self.ttl_s <= 0 or not hashes or self.max_blocks <= 0:
