@@ -447,4 +447,4 @@ def test_mask_map_behaves_like_a_dict(ops: list[tuple[str, int, int]], seed: int
         with pytest.raises(OverflowError):
             m[2**64] = 1
     m.clear()
-    assert len(m) == 0 and not m and m.items() == []
+    assert len(m) == 0 and not m and list(m.items()) == []
