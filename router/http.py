@@ -204,7 +204,8 @@ class RouterHttpProtocol(HttpToolsProtocol):
         body = d.chunks[0] if len(d.chunks) == 1 else b"".join(d.chunks)
         if d.endpoint is not None:
             busy = self.cycle = _Busy(d.keep_alive)  # type: ignore[assignment]
-            task = self._task = self.loop.create_task(self._proxy(d, body, busy))
+            # this request's headers now: a pipelined one parsed before the task runs replaces them
+            task = self._task = self.loop.create_task(self._proxy(d, body, self.headers, busy))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
             return
@@ -223,10 +224,12 @@ class RouterHttpProtocol(HttpToolsProtocol):
             return
         self._reply(200, data, d.keep_alive)
 
-    async def _proxy(self, d: _Direct, body: bytes, busy: _Busy) -> None:
+    async def _proxy(
+        self, d: _Direct, body: bytes, headers: list[tuple[bytes, bytes]], busy: _Busy
+    ) -> None:
         out = _TransportOut(self, busy)
         state = d.state
-        names = {k.decode("latin-1"): v.decode("latin-1") for k, v in self.headers}
+        names = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers}
         try:
             await proxy_request(state, d.endpoint or "", body, names.get, out, d.t0)
         except RouterError as e:
@@ -236,7 +239,7 @@ class RouterHttpProtocol(HttpToolsProtocol):
             else:
                 await out.whole(e.status, _JSON, error_json(e.message, e.type))
         except Exception:
-            log.exception("unhandled error on POST %s", self.url.decode("latin-1"))
+            log.exception("unhandled error on a proxied %s request", d.endpoint)
             if out.started:
                 out.abort()
             else:

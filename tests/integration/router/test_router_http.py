@@ -141,6 +141,21 @@ async def test_pipelined_requests_are_answered_in_order(workers, router):
     assert answers[0][2].rstrip().endswith(b"data: [DONE]")
     assert json.loads(answers[1][2])["status"] == "ok"
     assert json.loads(answers[2][2])["request_blocks"] == 3
+    # two proxied requests in one write: each forwards its own headers, not the next one's
+    c = await RawClient.open(r.url)
+    try:
+        body = {"model": "fake-model", "prompt": "hi", "max_tokens": 1}
+        await c.send_raw(
+            post("/v1/completions", body, extra=b"Authorization: Bearer first\r\n"),
+            post("/v1/completions", body, extra=b"Authorization: Bearer second\r\n"),
+        )
+        assert [(await c.response())[0] for _ in range(2)] == [200, 200]
+    finally:
+        c.close()
+    assert [h.get("authorization") for h in a.request_headers[-2:]] == [
+        "Bearer first",
+        "Bearer second",
+    ]
 
 
 async def test_connection_close_and_http10_close_after_the_answer(workers, router):
