@@ -149,15 +149,24 @@ def rank(
 
     The order is the retry order of the proxy: the first is the choice.
     """
-    healthy: list[tuple[float, float, int, int]] = []
+    healthy: list[tuple[float, float, int]] = []
     append = healthy.append
     for i, c in enumerate(candidates):
         cost = score(c, n, weights)
         if c.healthy:
-            wh = c.whash if c.whash >= 0 else worker_hash(c.key)
-            append((cost, c.inflight_prefill + c.active_blocks, tie_hash(request_key, wh), i))
+            append((cost, c.inflight_prefill + c.active_blocks, i))
     healthy.sort()
-    order = [t[3] for t in healthy]
+    order = [t[2] for t in healthy]
+    # equal (cost, load): the stable per-(request, worker) hash decides, then the index; hashed
+    # only where there is such a tie (the hash is bigint arithmetic, a µs a candidate)
+    k, m = 0, len(healthy)
+    while k < m - 1:
+        j = k + 1
+        while j < m and healthy[j][0] == healthy[k][0] and healthy[j][1] == healthy[k][1]:
+            j += 1
+        if j - k > 1:
+            order[k:j] = sorted(order[k:j], key=lambda i: (_tie(candidates[i], request_key), i))
+        k = j
     if temperature > 0.0 and len(order) > 1:
         first = _sample(
             [t[0] for t in healthy], temperature, rng if rng is not None else random.Random()
@@ -165,6 +174,10 @@ def rank(
         if first:
             order.insert(0, order.pop(first))
     return order
+
+
+def _tie(c: Candidate, request_key: int) -> int:
+    return tie_hash(request_key, c.whash if c.whash >= 0 else worker_hash(c.key))
 
 
 def _sample(costs: Sequence[float], temperature: float, rng: random.Random) -> int:

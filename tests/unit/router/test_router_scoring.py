@@ -112,3 +112,33 @@ def test_tier_breakdown_lists_canonical_tiers_first():
         "EXTERNAL": 0,
         "TAPE": 1,
     }
+
+
+def test_rank_order_is_cost_load_then_tie_hash_then_index():
+    """Ties are hashed only where they occur: the order must still be exactly
+    (cost, load, tie_hash(request, worker), index) over the healthy candidates."""
+    import random
+
+    rng = random.Random(11)
+    for _ in range(300):
+        cands = [
+            Candidate(
+                (f"w{i}", rng.randrange(2)),
+                healthy=rng.random() < 0.9,
+                by_tier={"GPU": rng.choice([0, 4, 8])},
+                active_blocks=rng.choice([0, 0, 3]),
+            )
+            for i in range(rng.randrange(0, 10))
+        ]
+        key = rng.getrandbits(64)
+        order = rank(cands, 8, W, request_key=key)
+        expected = sorted(
+            (i for i, c in enumerate(cands) if c.healthy),
+            key=lambda i: (
+                cands[i].cost,
+                cands[i].inflight_prefill + cands[i].active_blocks,
+                tie_hash(key, worker_hash(cands[i].key)),
+                i,
+            ),
+        )
+        assert order == expected
