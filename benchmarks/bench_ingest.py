@@ -32,6 +32,7 @@ import statistics
 import sys
 import time
 import tracemalloc
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -156,30 +157,45 @@ async def _ingest(publishers: int, messages: int, per_message: int = 1) -> tuple
 # --------------------------------------------------------------------------- match
 
 
-def build_index(workers: int, docs_per_worker: int, seed: int = 0) -> tuple[PrefixIndex, list]:
+def match_workload(
+    workers: int, docs_per_worker: int, seed: int = 0
+) -> tuple[list[list[int]], Iterator[tuple[int, BlockStored]]]:
+    """The match benchmark's state, also ``bench_route.py``'s: 64 documents of 32,768 tokens
+    (4 shared 1,024-token system prompts); each worker caches random-length prefixes of
+    ``docs_per_worker`` of them, announced as (worker, chained ``BlockStored`` of 16 blocks)."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(50_000) for _ in range(1024)] for _ in range(4)]
     docs = [
         prompts[d % 4] + [rng.randrange(50_000) for _ in range(32_768 - 1024)] for d in range(64)
     ]
+
+    def events() -> Iterator[tuple[int, BlockStored]]:
+        eh = 1
+        step = BS * BLOCKS_PER_EVENT
+        for w in range(workers):
+            for _ in range(docs_per_worker):
+                d = docs[rng.randrange(len(docs))]
+                n = rng.randrange(1, 2049) * BS
+                parent = None
+                for s in range(0, n, step):
+                    chunk = d[s : min(s + step, n)]
+                    nb = len(chunk) // BS
+                    # engine hashes look like vLLM's: unsigned 64-bit values
+                    hashes = [(x * _GOLDEN) & _M64 for x in range(eh, eh + nb)]
+                    eh += nb
+                    yield w, BlockStored(hashes, parent, chunk, BS)
+                    parent = hashes[-1]
+
+    return docs, events()
+
+
+def build_index(workers: int, docs_per_worker: int, seed: int = 0) -> tuple[PrefixIndex, list]:
+    docs, events = match_workload(workers, docs_per_worker, seed)
     idx = PrefixIndex(BS)
-    eh = 1
-    step = BS * BLOCKS_PER_EVENT
     for w in range(workers):
-        key = (f"w{w}", 0)
-        idx.add_worker(*key)
-        for _ in range(docs_per_worker):
-            d = docs[rng.randrange(len(docs))]
-            n = rng.randrange(1, 2049) * BS
-            parent = None
-            for s in range(0, n, step):
-                chunk = d[s : min(s + step, n)]
-                nb = len(chunk) // BS
-                # engine hashes look like vLLM's: unsigned 64-bit values
-                hashes = [(x * _GOLDEN) & _M64 for x in range(eh, eh + nb)]
-                eh += nb
-                idx.apply_event(key, BlockStored(hashes, parent, chunk, BS))
-                parent = hashes[-1]
+        idx.add_worker(f"w{w}", 0)
+    for w, ev in events:
+        idx.apply_event((f"w{w}", 0), ev)
     return idx, docs
 
 

@@ -48,8 +48,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-BS = 16
-BLOCKS_PER_EVENT = 16
 WORKERS = 8
 DOCS_PER_WORKER = 16
 
@@ -177,31 +175,13 @@ def wait(cond, timeout: float, what: str) -> None:  # type: ignore[no-untyped-de
 
 
 def build_stream(seed: int = 0) -> tuple[list[list[list]], list[list[int]]]:
-    """Per worker, its BlockStored events (one per message); the documents."""
-    from indexer.events import BlockStored
+    """Per worker, its BlockStored events (one per message): ``bench_ingest.py``'s match state."""
+    from bench_ingest import match_workload
 
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(50_000) for _ in range(1024)] for _ in range(4)]
-    docs = [
-        prompts[d % 4] + [rng.randrange(50_000) for _ in range(32_768 - 1024)] for d in range(64)
-    ]
-    streams: list[list[list]] = []
-    eh = 1
-    step = BS * BLOCKS_PER_EVENT
-    for _w in range(WORKERS):
-        events: list[list] = []
-        for _ in range(DOCS_PER_WORKER):
-            d = docs[rng.randrange(len(docs))]
-            n = rng.randrange(1, 2049) * BS
-            parent = None
-            for s in range(0, n, step):
-                chunk = d[s : min(s + step, n)]
-                nb = len(chunk) // BS
-                hashes = list(range(eh, eh + nb))
-                eh += nb
-                events.append([BlockStored(hashes, parent, chunk, BS)])
-                parent = hashes[-1]
-        streams.append(events)
+    docs, events = match_workload(WORKERS, DOCS_PER_WORKER, seed)
+    streams: list[list[list]] = [[] for _ in range(WORKERS)]
+    for w, ev in events:
+        streams[w].append([ev])
     return streams, docs
 
 
