@@ -27,7 +27,8 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
-from starlette.types import Message, Receive, Scope, Send
+from starlette.requests import ClientDisconnect, Request
+from starlette.types import Receive, Scope, Send
 
 from router.api import (
     ChatBody,
@@ -35,11 +36,11 @@ from router.api import (
     check_messages,
     completion_tokens_source,
     decode,
+    read_body,
 )
 from router.errors import (
     BadRequest,
     NoHealthyWorker,
-    PayloadTooLarge,
     RouterError,
     TooManyRequests,
     error_json,
@@ -342,11 +343,11 @@ class AsgiProxy:
         state: RouterState = scope["app"].state.kv
         t0 = time.perf_counter()
         out = _AsgiOut(send)
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        request = Request(scope, receive)
         try:
-            body = await _read_asgi(receive, headers, state.settings.proxy.max_body_bytes)
+            body = await read_body(request, state.settings.proxy.max_body_bytes)
             task = asyncio.ensure_future(
-                proxy_request(state, self.endpoint, body, headers.get, out, t0)
+                proxy_request(state, self.endpoint, body, request.headers.get, out, t0)
             )
             watcher = asyncio.ensure_future(_until_disconnect(receive))
             try:
@@ -359,6 +360,8 @@ class AsgiProxy:
                         await task
             if not task.cancelled():
                 task.result()
+        except ClientDisconnect:
+            return  # gone while sending the body: nobody to answer
         except RouterError as e:
             state.metrics.rejected.labels(str(e.status)).inc()
             await out.whole(
@@ -369,22 +372,3 @@ class AsgiProxy:
 async def _until_disconnect(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
-
-
-async def _read_asgi(receive: Receive, headers: dict[str, str], limit: int) -> bytes:
-    length = headers.get("content-length", "")
-    if length.isdigit() and int(length) > limit:
-        raise PayloadTooLarge(f"request body of {length} bytes is over the {limit}-byte limit")
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        msg: Message = await receive()
-        if msg["type"] != "http.request":
-            raise BadRequest("client went away while sending the body")
-        chunk = msg.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body is over the {limit}-byte limit")
-        chunks.append(chunk)
-        if not msg.get("more_body", False):
-            return b"".join(chunks)
