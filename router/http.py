@@ -99,16 +99,7 @@ class _TransportOut(Responder):
 
     def _head(self, status: int, headers: Headers, framing: bytes) -> list[bytes]:
         self.started = True
-        parts = [_STATUS.get(status) or _status_line(status)]
-        for name, value in self.proto.server_state.default_headers:
-            parts += [name, b": ", value, b"\r\n"]
-        for name, value in headers:
-            parts += [name, b": ", value, b"\r\n"]
-        parts.append(framing)
-        if not self.busy.keep_alive:
-            parts.append(b"connection: close\r\n")
-        parts.append(b"\r\n")
-        return parts
+        return _head(self.proto, status, headers, framing, self.busy.keep_alive)
 
     async def whole(self, status: int, headers: Headers, body: bytes) -> None:
         parts = self._head(status, headers, b"content-length: %d\r\n" % len(body))
@@ -279,18 +270,28 @@ class RouterHttpProtocol(HttpToolsProtocol):
         cycle.message_event.set()
 
     def _reply(self, status: int, data: bytes, keep_alive: bool, close: bool = True) -> None:
-        parts: list[bytes] = [_STATUS.get(status) or _status_line(status)]
-        for name, value in self.server_state.default_headers:
-            parts += [name, b": ", value, b"\r\n"]
-        parts.append(b"content-type: application/json\r\ncontent-length: %d\r\n" % len(data))
-        if not keep_alive:
-            parts.append(b"connection: close\r\n")
-        parts += [b"\r\n", data]
+        parts = _head(self, status, _JSON, b"content-length: %d\r\n" % len(data), keep_alive)
+        parts.append(data)
         self.transport.write(b"".join(parts))
         if keep_alive:
             self.on_response_complete()  # keep-alive timer, next pipelined request, request count
         elif close:
             self.transport.close()
+
+
+def _head(
+    proto: RouterHttpProtocol, status: int, headers: Headers, framing: bytes, keep_alive: bool
+) -> list[bytes]:
+    """Status line and headers of a direct answer (uvicorn's default ``date``/``server`` first),
+    up to and including the blank line; ``framing`` is its content-length or chunked line."""
+    parts = [_STATUS.get(status) or _status_line(status)]
+    for name, value in (*proto.server_state.default_headers, *headers):
+        parts += [name, b": ", value, b"\r\n"]
+    parts.append(framing)
+    if not keep_alive:
+        parts.append(b"connection: close\r\n")
+    parts.append(b"\r\n")
+    return parts
 
 
 def protocol_for(app: Any) -> type[RouterHttpProtocol]:
