@@ -730,6 +730,60 @@ static int spread_bits(PyObject *mask, PyObject *lengths, Py_ssize_t value) {
  * slot holds or once no slot of ``alive`` is left (``end``), and returns each slot's matched
  * prefix length. Per block: one table lookup and one compare; bigint work only where the holder
  * set changes, which along a shared prefix is rare. */
+#define WALK_AHEAD 16 /* lookups in flight: the table is far bigger than the caches */
+
+/* walk_lengths for up to 64 slots: masks as machine words, and the table slot of the block
+ * WALK_AHEAD ahead prefetched, so the ~256 cache misses of a walk overlap instead of queueing.
+ * Returns NULL with no error set when a key or mask does not fit (the general walk decides). */
+static PyObject *walk_lengths64(MaskMap *pm, PyObject *hashes, uint64_t alive, Py_ssize_t nslots) {
+    Py_ssize_t n = PyList_GET_SIZE(hashes), i = 0;
+    Py_ssize_t len[64];
+    uint64_t stack_keys[512];
+    uint64_t *keys = n <= 512 ? stack_keys : PyMem_Malloc((size_t)n * sizeof(uint64_t));
+    if (keys == NULL) return PyErr_NoMemory();
+    Py_ssize_t nkeys = 0;
+    for (; nkeys < n; nkeys++) { /* a non-int or negative hash is never stored: stop there */
+        PyObject *hk = PyList_GET_ITEM(hashes, nkeys);
+        if (!PyLong_Check(hk)) break;
+        uint64_t k = (uint64_t)PyLong_AsUnsignedLongLong(hk);
+        if (k == (uint64_t)-1 && PyErr_Occurred()) { PyErr_Clear(); break; }
+        keys[nkeys] = k;
+    }
+    for (Py_ssize_t j = 0; j < WALK_AHEAD && j < nkeys; j++)
+        __builtin_prefetch(&pm->slots[mm_pos(pm, keys[j])]);
+    for (Py_ssize_t k = 0; k < nslots; k++) len[k] = 0;
+    PyObject *prev = NULL;
+    uint64_t prevv = 0;
+    for (; i < nkeys; i++) {
+        if (i + WALK_AHEAD < nkeys) __builtin_prefetch(&pm->slots[mm_pos(pm, keys[i + WALK_AHEAD])]);
+        PyObject *m = mm_get(pm, keys[i]);
+        if (m == NULL) break;
+        if (m == prev) continue;
+        uint64_t mv = (uint64_t)PyLong_AsUnsignedLongLong(m);
+        if (mv == (uint64_t)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            if (keys != stack_keys) PyMem_Free(keys);
+            return NULL;
+        }
+        prev = m;
+        if (mv == prevv && i > 0) continue;
+        prevv = mv;
+        for (uint64_t dead = alive & ~mv; dead; dead &= dead - 1) len[__builtin_ctzll(dead)] = i;
+        alive &= mv;
+        if (!alive) break;
+    }
+    if (keys != stack_keys) PyMem_Free(keys);
+    for (; alive; alive &= alive - 1) len[__builtin_ctzll(alive)] = i;
+    PyObject *lengths = PyList_New(nslots);
+    if (lengths == NULL) return NULL;
+    for (Py_ssize_t k = 0; k < nslots; k++) {
+        PyObject *v = PyLong_FromSsize_t(len[k]);
+        if (v == NULL) { Py_DECREF(lengths); return NULL; }
+        PyList_SET_ITEM(lengths, k, v);
+    }
+    return Py_BuildValue("(Nn)", lengths, i);
+}
+
 static PyObject *walk_lengths(PyObject *self, PyObject *args) {
     PyObject *present, *hashes, *alive;
     Py_ssize_t nslots;
@@ -737,6 +791,14 @@ static PyObject *walk_lengths(PyObject *self, PyObject *args) {
         return NULL;
     MaskMap *pm = as_maskmap(present);
     if (pm == NULL) return NULL;
+    if (nslots <= 64 && PyLong_Check(alive)) {
+        uint64_t a = (uint64_t)PyLong_AsUnsignedLongLong(alive);
+        if (a == (uint64_t)-1 && PyErr_Occurred()) PyErr_Clear();
+        else {
+            PyObject *r = walk_lengths64(pm, hashes, a, nslots);
+            if (r != NULL || PyErr_Occurred()) return r;
+        }
+    }
     PyObject *lengths = PyList_New(nslots);
     if (lengths == NULL) return NULL;
     PyObject *zero = PyLong_FromLong(0);
