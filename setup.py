@@ -1,4 +1,5 @@
-"""Build hook for the optional C accelerator of the router block hash.
+"""Build hook for the optional C accelerators: the router block hash and index tables
+(``indexer._chash``) and the scorer (``router._score``).
 
 The extension is `optional`: if no compiler is present the install still succeeds and
 `indexer.hashing` falls back to the pure-Python implementation, which gives identical values.
@@ -13,6 +14,13 @@ setup(
             sources=["indexer/_chash.c"],
             optional=True,
             extra_compile_args=["-O3"],
-        )
+        ),
+        # router.scoring's C twin; no FP contraction, so costs equal the Python ones bit for bit
+        Extension(
+            "router._score",
+            sources=["router/_score.c"],
+            optional=True,
+            extra_compile_args=["-O3", "-ffp-contract=off"],
+        ),
     ]
 )

@@ -40,6 +40,11 @@ __all__ = [
     "worker_hash",
 ]
 
+try:  # the same ranking in C (router/_score.c); optional like the index's accelerator
+    from router._score import rank as _c_rank
+except ImportError:  # pragma: no cover - built without a compiler
+    _c_rank = None
+
 WorkerKey = tuple[str, int]
 _M64 = (1 << 64) - 1
 
@@ -149,6 +154,21 @@ def rank(
 
     The order is the retry order of the proxy: the first is the choice.
     """
+    if _c_rank is not None and type(candidates) is list and type(weights.tier_weights) is dict:
+        tw = weights.tier_weights
+        c_order = _c_rank(
+            candidates,
+            n,
+            weights.overlap_weight,
+            tw,
+            tw.get("EXTERNAL", 0.3),
+            weights.running_weight,
+            weights.waiting_weight,
+            weights.kv_usage_weight,
+            request_key,
+        )
+        if c_order is not None:
+            return _tempered(c_order, candidates, temperature, rng)
     healthy: list[tuple[float, float, int]] = []
     append = healthy.append
     for i, c in enumerate(candidates):
@@ -167,10 +187,18 @@ def rank(
         if j - k > 1:
             order[k:j] = sorted(order[k:j], key=lambda i: (_tie(candidates[i], request_key), i))
         k = j
+    return _tempered(order, candidates, temperature, rng)
+
+
+def _tempered(
+    order: list[int],
+    candidates: Sequence[Candidate],
+    temperature: float,
+    rng: random.Random | None,
+) -> list[int]:
     if temperature > 0.0 and len(order) > 1:
-        first = _sample(
-            [t[0] for t in healthy], temperature, rng if rng is not None else random.Random()
-        )
+        costs = [candidates[i].cost for i in order]
+        first = _sample(costs, temperature, rng if rng is not None else random.Random())
         if first:
             order.insert(0, order.pop(first))
     return order

@@ -5,7 +5,10 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from router.scoring import (
     Candidate,
@@ -114,21 +117,22 @@ def test_tier_breakdown_lists_canonical_tiers_first():
     }
 
 
-def test_rank_order_is_cost_load_then_tie_hash_then_index():
+@pytest.mark.parametrize("whash", ["given", "computed"])
+def test_rank_order_is_cost_load_then_tie_hash_then_index(whash: str):
     """Ties are hashed only where they occur: the order must still be exactly
-    (cost, load, tie_hash(request, worker), index) over the healthy candidates."""
-    import random
-
+    (cost, load, tie_hash(request, worker), index) over the healthy candidates. With the worker
+    hash given (as the router does) the C ranking runs, else the Python one."""
     rng = random.Random(11)
     for _ in range(300):
         cands = [
             Candidate(
-                (f"w{i}", rng.randrange(2)),
+                (f"w{i}", r),
                 healthy=rng.random() < 0.9,
                 by_tier={"GPU": rng.choice([0, 4, 8])},
                 active_blocks=rng.choice([0, 0, 3]),
+                whash=worker_hash((f"w{i}", r)) if whash == "given" else -1,
             )
-            for i in range(rng.randrange(0, 10))
+            for i, r in ((i, rng.randrange(2)) for i in range(rng.randrange(0, 10)))
         ]
         key = rng.getrandbits(64)
         order = rank(cands, 8, W, request_key=key)
@@ -142,3 +146,84 @@ def test_rank_order_is_cost_load_then_tie_hash_then_index():
             ),
         )
         assert order == expected
+
+
+_TIERS = st.sampled_from(["GPU", "CPU_PINNED", "DISK", "EXTERNAL", "TAPE"])
+_COUNT = st.integers(0, 600)
+
+
+@st.composite
+def _candidates(draw: st.DrawFn) -> list[Candidate]:
+    out = []
+    for i in range(draw(st.integers(0, 12))):
+        key = (f"w{i}", draw(st.integers(0, 2)))
+        out.append(
+            Candidate(
+                key,
+                healthy=draw(st.booleans()),
+                matched_blocks=draw(_COUNT),
+                by_tier=draw(st.dictionaries(_TIERS, _COUNT, max_size=4)),
+                predicted_blocks=draw(_COUNT),
+                inflight_prefill=draw(st.sampled_from([0.0, 3.5, 100.0, 1e9])),
+                active_blocks=draw(_COUNT),
+                shared_active=draw(_COUNT),
+                shared_prefill=draw(_COUNT),
+                scraped=draw(
+                    st.none() | st.builds(ScrapedLoad, _FLOAT, _FLOAT, st.floats(0.0, 1.0))
+                ),
+                whash=worker_hash(key),
+            )
+        )
+    return out
+
+
+_FLOAT = st.floats(0.0, 1e6, allow_nan=False)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    cands=_candidates(),
+    n=st.integers(0, 600),
+    key=st.integers(0, 2**64 - 1),
+    weights=st.builds(
+        ScoreWeights,
+        st.sampled_from([0.0, 0.5, 1.0, 2.0]),
+        st.dictionaries(_TIERS, st.floats(0.0, 2.0), max_size=5),
+        _FLOAT,
+        _FLOAT,
+        _FLOAT,
+    ),
+)
+def test_c_rank_is_the_python_rank(
+    cands: list[Candidate], n: int, key: int, weights: ScoreWeights
+) -> None:
+    """router/_score.c scores and orders exactly as router/scoring.py: same order, same costs
+    and credits to the bit (the C build has FP contraction off)."""
+    import router.scoring as scoring
+
+    if scoring._c_rank is None:
+        pytest.skip("built without the C scorer")
+    twins = [msgspec.structs.replace(c) for c in cands]
+    assert scoring._c_rank is not None
+    got = rank(cands, n, weights, request_key=key)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(scoring, "_c_rank", None)
+        want = rank(twins, n, weights, request_key=key)
+    assert got == want
+    assert [(c.cost, c.credited) for c in cands] == [(c.cost, c.credited) for c in twins]
+
+
+def test_c_rank_declines_what_it_does_not_model() -> None:
+    import router.scoring as scoring
+
+    if scoring._c_rank is None:
+        pytest.skip("built without the C scorer")
+    c = Candidate(("w0", 0), by_tier={"GPU": 1}, whash=-1)
+    tw = dict(W.tier_weights)
+    assert scoring._c_rank([c], 4, 1.0, tw, 0.3, 0.0, 0.0, 0.0, 7) is None
+    assert c.cost == float("inf")  # untouched
+    c = Candidate(("w0", 0), by_tier={"GPU": 2**70}, whash=1)
+    assert scoring._c_rank([c], 4, 1.0, tw, 0.3, 0.0, 0.0, 0.0, 7) is None
+    c = Candidate(("w0", 0), by_tier={"GPU": 1}, whash=1)
+    assert scoring._c_rank([c], 4, 1.0, tw, 0.3, 0.0, 0.0, 0.0, 7) == [0]
+    assert (c.credited, c.cost) == (1.0, 3.0)
