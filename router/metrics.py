@@ -1,7 +1,11 @@
 """Prometheus metrics of one router app, on its own ``CollectorRegistry`` (no global registry, so
 several apps — tests, replicas in one process — never collide).
 
-Request-path metrics are plain counters/histograms updated by the handlers. Event-plane and index
+Request-path metrics are counters, gauges and histograms updated by the handlers. They are this
+module's own light families, not ``prometheus_client``'s: everything here runs on the event loop,
+so no lock is needed, and a histogram observation is a ``bisect`` and two adds (~0.2 µs, against
+~1.5 µs, several times that on cold caches, for ``prometheus_client``'s locked Python loop over
+the buckets); the exposition is the same. Event-plane and index
 state (events by type and tier, malformed, orphans, gaps, replays, lag, blocks per tier, worker
 health) is read at scrape time by :class:`StateCollector` from the subscriber's and index's own
 counters, on the event loop (``/metrics`` is an async handler), so nothing is counted twice.
@@ -9,11 +13,17 @@ counters, on the event loop (``/metrics`` is an async handler), so nothing is co
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 __all__ = ["RouterMetrics", "StateCollector", "WorkerSample"]
@@ -154,103 +164,228 @@ class StateCollector(Collector):
         yield idx_orphans
 
 
+class _Value:
+    """One counter or gauge series."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+    def dec(self, amount: float = 1.0) -> None:
+        self.value -= amount
+
+    def set(self, value: float) -> None:
+        self.value = float(value)
+
+
+class _Buckets:
+    """One histogram series: per-bucket counts (not cumulative until exposed) and the sum."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1  # bucket ``le``: value <= bound
+        self.sum += value
+
+
+class _Family(Collector):
+    """A metric with label names and one series per label values; unlabeled families are used
+    directly (``observe``, ``inc``, ``set``). Registered on the app's registry."""
+
+    def __init__(
+        self,
+        kind: str,
+        name: str,
+        doc: str,
+        labelnames: Iterable[str] = (),
+        *,
+        registry: CollectorRegistry,
+        buckets: tuple[float, ...] = (),
+    ) -> None:
+        self.kind, self.name, self.doc = kind, name, doc
+        self.labelnames = list(labelnames)
+        self.bounds = tuple(float(b) for b in buckets)
+        self._series: dict[tuple[str, ...], Any] = {}
+        if not self.labelnames:
+            self._one = self.labels()
+        registry.register(self)
+
+    def labels(self, *values: Any) -> Any:
+        key = tuple(map(str, values))
+        s = self._series.get(key)
+        if s is None:
+            if len(key) != len(self.labelnames):
+                raise ValueError(f"{self.name}: expected labels {self.labelnames}, got {key}")
+            s = self._series[key] = _Buckets(self.bounds) if self.kind == "histogram" else _Value()
+        return s
+
+    def remove(self, *values: Any) -> None:
+        self._series.pop(tuple(map(str, values)), None)
+
+    def observe(self, value: float) -> None:
+        self._one.observe(value)
+
+    def inc(self, amount: float = 1.0) -> None:
+        self._one.inc(amount)
+
+    def set(self, value: float) -> None:
+        self._one.set(value)
+
+    def describe(self) -> Iterator[Metric]:
+        yield from self._families(with_samples=False)
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._families(with_samples=True)
+
+    def _families(self, *, with_samples: bool) -> Iterator[Metric]:
+        ln = self.labelnames
+        m: Any
+        if self.kind == "histogram":
+            m = HistogramMetricFamily(self.name, self.doc, labels=ln)
+        elif self.kind == "counter":
+            m = CounterMetricFamily(self.name, self.doc, labels=ln)
+        else:
+            m = GaugeMetricFamily(self.name, self.doc, labels=ln)
+        for key, s in list(self._series.items()) if with_samples else ():
+            if self.kind != "histogram":
+                m.add_metric(list(key), s.value)
+                continue
+            acc, cum = 0, []
+            for bound, n in zip((*self.bounds, float("inf")), s.counts):
+                acc += n
+                cum.append((_bound_text(bound), float(acc)))
+            m.add_metric(list(key), cum, s.sum)
+        yield m
+
+
+def _bound_text(b: float) -> str:
+    """As prometheus_client writes ``le``: ``+Inf``, else the float's repr (``0.005``, ``1.0``)."""
+    return "+Inf" if b == float("inf") else repr(float(b))
+
+
 class RouterMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         r = registry
         self.registry = r
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
-        self.route_decisions = Counter(
+        self.route_decisions = _Family(
+            "counter",
             "kvrouter_route_decisions",
             "placement decisions per chosen worker",
             ["worker", "kind"],
             registry=r,
         )
-        self.matched_ratio = Histogram(
+        self.matched_ratio = _Family(
+            "histogram",
             "kvrouter_matched_block_ratio",
             "matched / request blocks on the chosen worker",
             buckets=_RATIO_BUCKETS,
             registry=r,
         )
-        self.route_latency = Histogram(
+        self.route_latency = _Family(
+            "histogram",
             "kvrouter_route_latency_seconds",
             "time to answer POST /route (after the body is read)",
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.decision_latency = Histogram(
+        self.decision_latency = _Family(
+            "histogram",
             "kvrouter_decision_latency_seconds",
             "time to hash, match and score one request",
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.proxied = Counter(
+        self.proxied = _Family(
+            "counter",
             "kvrouter_proxied_requests",
             "proxied OpenAI requests by worker, endpoint and status",
             ["worker", "endpoint", "status"],
             registry=r,
         )
-        self.retries = Counter(
+        self.retries = _Family(
+            "counter",
             "kvrouter_proxy_retries",
             "attempts moved to the next worker before any byte was sent",
             ["worker", "reason"],
             registry=r,
         )
-        self.rejected = Counter(
+        self.rejected = _Family(
+            "counter",
             "kvrouter_rejected_requests",
             "requests answered by the router itself with an error",
             ["status"],
             registry=r,
         )
-        self.ttfb = Histogram(
+        self.ttfb = _Family(
+            "histogram",
             "kvrouter_time_to_first_byte_seconds",
             "time from request to the first upstream body byte",
             ["worker"],
             buckets=_TTFB_BUCKETS,
             registry=r,
         )
-        self.inflight = Gauge(
+        self.inflight = _Family(
+            "gauge",
             "kvrouter_inflight_requests",
             "proxied requests in flight per worker",
             ["worker"],
             registry=r,
         )
-        self.predicted_tokens = Counter(
+        self.predicted_tokens = _Family(
+            "counter",
             "kvrouter_cached_tokens_predicted",
             "cached prompt tokens the router predicted on the "
             "chosen worker (for requests whose worker reported usage)",
             ["worker"],
             registry=r,
         )
-        self.actual_tokens = Counter(
+        self.actual_tokens = _Family(
+            "counter",
             "kvrouter_cached_tokens_actual",
             "cached prompt tokens the worker reported (usage.prompt_tokens_details.cached_tokens)",
             ["worker"],
             registry=r,
         )
-        self.cached_error = Histogram(
+        self.cached_error = _Family(
+            "histogram",
             "kvrouter_cached_tokens_abs_error",
             "|predicted - actual| cached prompt tokens per request",
             ["worker"],
             buckets=_TOKEN_ERR_BUCKETS,
             registry=r,
         )
-        self.predicted_blocks = Gauge(
+        self.predicted_blocks = _Family(
+            "gauge",
             "kvrouter_predicted_blocks",
             "(block, worker) predictions alive against herding",
             registry=r,
         )
-        self.accounted_routes = Gauge(
+        self.accounted_routes = _Family(
+            "gauge",
             "kvrouter_accounted_routes",
             "/route placements accounted and not yet released",
             registry=r,
         )
-        self.tokenize_latency = Histogram(
+        self.tokenize_latency = _Family(
+            "histogram",
             "kvrouter_tokenize_seconds",
             "time to tokenize a text prompt",
             ["tokenizer"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+
+        self._families = [v for v in vars(self).values() if isinstance(v, _Family)]
 
     def child(self, metric: Any, *labels: str) -> Any:
         """``metric.labels(*labels)``, cached: ``labels`` costs several µs on the hot path."""
@@ -261,7 +396,13 @@ class RouterMetrics:
         return c
 
     def forget_worker(self, worker: str) -> None:
+        """Drop every series labelled with this worker (a removed worker leaves no stale ones)."""
         self._children = {k: v for k, v in self._children.items() if worker not in k[1]}
+        for family in self._families:
+            if "worker" in family.labelnames:
+                at = family.labelnames.index("worker")
+                for key in [k for k in family._series if k[at] == worker]:
+                    family.remove(*key)
 
     def observe_cached(self, worker: str, predicted: int, actual: int) -> None:
         self.child(self.predicted_tokens, worker).inc(predicted)
