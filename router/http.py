@@ -132,19 +132,63 @@ class RouterHttpProtocol(HttpToolsProtocol):
     :func:`protocol_for` does."""
 
     kv_app: ClassVar[Any] = None
+    _json_head: ClassVar[_JsonHead]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._direct: _Direct | None = None
         self._task: asyncio.Task[None] | None = None
+        self._idle_since: float | None = None  # None: a request is being read or answered
+
+    # uvicorn arms a keep-alive timer after every answer and cancels it when the next request
+    # arrives: two timer-heap operations per request. Here one timer stays armed while requests
+    # keep coming, and when it fires it closes the connection only if it has been idle for the
+    # whole keep-alive timeout (else it re-arms for the rest).
+
+    def _unset_keepalive_if_required(self) -> None:
+        self._idle_since = None
+
+    def on_response_complete(self) -> None:
+        if self.pipeline or self.transport.is_closing():
+            super().on_response_complete()  # starts the next pipelined request, or returns
+            return
+        self.server_state.total_requests += 1
+        self.flow.resume_reading()
+        self._idle_since = self.loop.time()
+        if self.timeout_keep_alive_task is None:
+            self.timeout_keep_alive_task = self.loop.call_later(
+                self.timeout_keep_alive, self._keep_alive_due
+            )
+
+    def _keep_alive_due(self) -> None:
+        self.timeout_keep_alive_task = None
+        since = self._idle_since
+        if since is None:
+            return  # busy: the answer re-arms it
+        left = since + self.timeout_keep_alive - self.loop.time()
+        if left > 0:
+            self.timeout_keep_alive_task = self.loop.call_later(left, self._keep_alive_due)
+        else:
+            self.timeout_keep_alive_handler()
 
     def on_message_begin(self) -> None:
+        # uvicorn's scope (a dict and a copy of the app state) is built only for requests the
+        # app serves: see _app_scope
         self._direct = None
+        self.url = b""
+        self.expect_100_continue = False
+        self.headers = []
+
+    def _app_scope(self) -> None:
+        url, expect, headers = self.url, self.expect_100_continue, self.headers
         super().on_message_begin()
+        self.url, self.expect_100_continue, self.headers = url, expect, headers
+        self.scope["headers"] = headers
 
     def on_headers_complete(self) -> None:
         state = self._direct_state()
         if state is None:
+            self._app_scope()
             super().on_headers_complete()
             return
         limit = state.settings.proxy.max_body_bytes
@@ -249,6 +293,10 @@ class RouterHttpProtocol(HttpToolsProtocol):
         task = self._task
         if task is not None:
             task.cancel()  # the client is gone: stop the upstream exchange
+        timer = self.timeout_keep_alive_task
+        if timer is not None:
+            timer.cancel()
+            self.timeout_keep_alive_task = None
         super().connection_lost(exc)
 
     def _too_large(self, d: _Direct, message: str) -> None:
@@ -263,6 +311,7 @@ class RouterHttpProtocol(HttpToolsProtocol):
 
     def _to_app(self, body: bytes) -> None:
         """Hand the request, body already read, to the app as uvicorn would have."""
+        self._app_scope()
         super().on_headers_complete()
         cycle = self.cycle
         cycle.body += body  # empty: nothing was fed to this cycle yet
@@ -270,9 +319,8 @@ class RouterHttpProtocol(HttpToolsProtocol):
         cycle.message_event.set()
 
     def _reply(self, status: int, data: bytes, keep_alive: bool, close: bool = True) -> None:
-        parts = _head(self, status, _JSON, b"content-length: %d\r\n" % len(data), keep_alive)
-        parts.append(data)
-        self.transport.write(b"".join(parts))
+        head = self._json_head.get(self, status, keep_alive)
+        self.transport.write(b"%bcontent-length: %d\r\n\r\n%b" % (head, len(data), data))
         if keep_alive:
             self.on_response_complete()  # keep-alive timer, next pipelined request, request count
         elif close:
@@ -294,9 +342,32 @@ def _head(
     return parts
 
 
+class _JsonHead:
+    """The head of a direct JSON answer up to its content-length, rebuilt only when uvicorn
+    replaces its default headers (each second, for the date)."""
+
+    __slots__ = ("defaults", "heads")
+
+    def __init__(self) -> None:
+        self.defaults: object = None
+        self.heads: dict[tuple[int, bool], bytes] = {}
+
+    def get(self, proto: RouterHttpProtocol, status: int, keep_alive: bool) -> bytes:
+        defaults = proto.server_state.default_headers
+        if defaults is not self.defaults:
+            self.defaults, self.heads = defaults, {}
+        head = self.heads.get((status, keep_alive))
+        if head is None:
+            parts = _head(proto, status, _JSON, b"", keep_alive)
+            head = self.heads[status, keep_alive] = b"".join(parts[:-1])  # up to the blank line
+        return head
+
+
 def protocol_for(app: Any) -> type[RouterHttpProtocol]:
     """The protocol class serving ``app`` (a router app from ``router.app.create_app``)."""
-    return type("RouterHttpProtocol", (RouterHttpProtocol,), {"kv_app": app})
+    return type(
+        "RouterHttpProtocol", (RouterHttpProtocol,), {"kv_app": app, "_json_head": _JsonHead()}
+    )
 
 
 def server_config(app: Any, **kwargs: Any) -> uvicorn.Config:

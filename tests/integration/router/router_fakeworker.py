@@ -56,7 +56,7 @@ class ServerHandle:
     """A uvicorn server on 127.0.0.1, port 0, in the running event loop. A router app
     (``router=True``) is served with the router's own HTTP protocol, as ``kvrouter serve`` does."""
 
-    def __init__(self, app: Any, *, router: bool = False) -> None:
+    def __init__(self, app: Any, *, router: bool = False, **config: Any) -> None:
         kw: dict[str, Any] = dict(
             host="127.0.0.1",
             port=0,
@@ -65,6 +65,7 @@ class ServerHandle:
             access_log=False,
             timeout_graceful_shutdown=2,
         )
+        kw.update(config)
         config = server_config(app, **kw) if router else uvicorn.Config(app, **kw)
         self.server = uvicorn.Server(config)
         self.task: asyncio.Task[None] | None = None

@@ -10,7 +10,10 @@ from typing import Any
 
 import h11
 import httpx
-from router_fakeworker import wait_for
+from router_fakeworker import ServerHandle, wait_for
+
+from router.app import create_app
+from router.settings import load_settings
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 8  # 360 bytes = 22 full blocks
 
@@ -217,3 +220,27 @@ async def test_streamed_body_over_the_limit_gets_413_then_close(workers, router)
             assert resp.status_code == 413, path
             assert "1024" in resp.json()["error"]["message"]
     assert not a.requests
+
+
+async def test_keep_alive_closes_only_after_a_whole_idle_timeout():
+    """One keep-alive timer per connection, re-armed lazily: requests spaced under the timeout
+    keep the connection open well past it (direct and app-served answers alike); once idle for
+    the timeout, the server closes it."""
+    app = create_app(load_settings(environ={}, overrides={"workers": []}))
+    server = await ServerHandle(app, router=True, timeout_keep_alive=0.4).start()
+    try:
+        c = await RawClient.open(server.url)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        for i in range(8):  # 8 x 0.15 s: three timeouts' worth, never 0.4 s idle
+            await c.send_raw(post("/route", {"token_ids": [1, 2, 3]}) if i % 2 else get("/health"))
+            status, _, _ = await c.response()
+            assert status == (503 if i % 2 else 200)  # no worker for /route: still an answer
+            await asyncio.sleep(0.15)
+        assert loop.time() - start > 1.0
+        idle_from = loop.time()
+        assert await c.closed_by_server()
+        assert loop.time() - idle_from >= 0.4 - 0.15 - 0.05  # (0.15 s of it already idle)
+        c.close()
+    finally:
+        await server.stop()
