@@ -732,12 +732,24 @@ static int spread_bits(PyObject *mask, PyObject *lengths, Py_ssize_t value) {
  * set changes, which along a shared prefix is rare. */
 #define WALK_AHEAD 16 /* lookups in flight: the table is far bigger than the caches */
 
-/* walk_lengths for up to 64 slots: masks as machine words, and the table slot of the block
+/* mask as a machine word: 1, or 0 when it does not fit (the caller declines) */
+static inline int as_word(PyObject *v, uint64_t *out) {
+    uint64_t x = (uint64_t)PyLong_AsUnsignedLongLong(v);
+    if (x == (uint64_t)-1 && PyErr_Occurred()) { PyErr_Clear(); return 0; }
+    *out = x;
+    return 1;
+}
+
+/* The walk for up to 64 slots: masks as machine words, and the table slot of the block
  * WALK_AHEAD ahead prefetched, so the ~256 cache misses of a walk overlap instead of queueing.
- * Returns NULL with no error set when a key or mask does not fit (the general walk decides). */
-static PyObject *walk_lengths64(MaskMap *pm, PyObject *hashes, uint64_t alive, Py_ssize_t nslots) {
+ * With `overlay` (router hash -> predicted slots, a dict) a predicted block counts as held, and
+ * `pred` counts per slot the predicted blocks of its matched prefix that it does not hold.
+ * Returns (lengths, end), or (lengths, preds) with an overlay; NULL with no error set when a
+ * mask does not fit in a word (the caller takes the general walk). */
+static PyObject *walk64(MaskMap *pm, PyObject *overlay, PyObject *hashes, uint64_t alive,
+                        Py_ssize_t nslots) {
     Py_ssize_t n = PyList_GET_SIZE(hashes), i = 0;
-    Py_ssize_t len[64];
+    Py_ssize_t len[64], pred[64];
     uint64_t stack_keys[512];
     uint64_t *keys = n <= 512 ? stack_keys : PyMem_Malloc((size_t)n * sizeof(uint64_t));
     if (keys == NULL) return PyErr_NoMemory();
@@ -751,37 +763,79 @@ static PyObject *walk_lengths64(MaskMap *pm, PyObject *hashes, uint64_t alive, P
     }
     for (Py_ssize_t j = 0; j < WALK_AHEAD && j < nkeys; j++)
         __builtin_prefetch(&pm->slots[mm_pos(pm, keys[j])]);
-    for (Py_ssize_t k = 0; k < nslots; k++) len[k] = 0;
-    PyObject *prev = NULL;
+    for (Py_ssize_t k = 0; k < nslots; k++) len[k] = pred[k] = 0;
+    PyObject *prev = NULL, *result = NULL;
     uint64_t prevv = 0;
+    int declined = 0;
     for (; i < nkeys; i++) {
         if (i + WALK_AHEAD < nkeys) __builtin_prefetch(&pm->slots[mm_pos(pm, keys[i + WALK_AHEAD])]);
         PyObject *m = mm_get(pm, keys[i]);
-        if (m == NULL) break;
-        if (m == prev) continue;
-        uint64_t mv = (uint64_t)PyLong_AsUnsignedLongLong(m);
-        if (mv == (uint64_t)-1 && PyErr_Occurred()) {
-            PyErr_Clear();
-            if (keys != stack_keys) PyMem_Free(keys);
-            return NULL;
+        uint64_t mv = 0, ov = 0;
+        if (m != NULL) {
+            if (m != prev) {
+                if (!as_word(m, &prevv)) { declined = 1; goto done; }
+                prev = m;
+            }
+            mv = prevv;
         }
-        prev = m;
-        if (mv == prevv && i > 0) continue;
-        prevv = mv;
-        for (uint64_t dead = alive & ~mv; dead; dead &= dead - 1) len[__builtin_ctzll(dead)] = i;
-        alive &= mv;
-        if (!alive) break;
+        if (overlay != NULL) {
+            PyObject *o = PyDict_GetItemWithError(overlay, PyList_GET_ITEM(hashes, i));
+            if (o == NULL && PyErr_Occurred()) goto done;
+            if (o != NULL && !as_word(o, &ov)) { declined = 1; goto done; }
+        }
+        uint64_t held = mv | ov;
+        if (!held) break;
+        uint64_t dead = alive & ~held;
+        if (dead) {
+            for (; dead; dead &= dead - 1) len[__builtin_ctzll(dead)] = i;
+            alive &= held;
+            if (!alive) break;
+        }
+        for (uint64_t pr = ov & ~mv & alive; pr; pr &= pr - 1) pred[__builtin_ctzll(pr)]++;
     }
-    if (keys != stack_keys) PyMem_Free(keys);
     for (; alive; alive &= alive - 1) len[__builtin_ctzll(alive)] = i;
-    PyObject *lengths = PyList_New(nslots);
-    if (lengths == NULL) return NULL;
+    PyObject *lengths = PyList_New(nslots), *preds = overlay != NULL ? PyList_New(nslots) : NULL;
+    if (lengths == NULL || (overlay != NULL && preds == NULL)) {
+        Py_XDECREF(lengths);
+        Py_XDECREF(preds);
+        goto done;
+    }
     for (Py_ssize_t k = 0; k < nslots; k++) {
         PyObject *v = PyLong_FromSsize_t(len[k]);
-        if (v == NULL) { Py_DECREF(lengths); return NULL; }
+        PyObject *w = preds != NULL ? PyLong_FromSsize_t(pred[k]) : NULL;
+        if (v == NULL || (preds != NULL && w == NULL)) {
+            Py_XDECREF(v);
+            Py_XDECREF(w);
+            Py_DECREF(lengths);
+            Py_XDECREF(preds);
+            goto done;
+        }
         PyList_SET_ITEM(lengths, k, v);
+        if (preds != NULL) PyList_SET_ITEM(preds, k, w);
     }
-    return Py_BuildValue("(Nn)", lengths, i);
+    result = preds != NULL ? Py_BuildValue("(NN)", lengths, preds) : Py_BuildValue("(Nn)", lengths, i);
+done:
+    if (keys != stack_keys) PyMem_Free(keys);
+    (void)declined; /* NULL and no error set: declined */
+    return result;
+}
+
+/* walk_overlay(present, overlay, hashes, alive, nslots) -> (lengths, predicted) | None
+ * The walk with predictions (see walk64), for up to 64 slots; None where it declines. */
+static PyObject *walk_overlay(PyObject *self, PyObject *args) {
+    PyObject *present, *overlay, *hashes, *alive;
+    Py_ssize_t nslots;
+    if (!PyArg_ParseTuple(args, "OO!O!On", &present, &PyDict_Type, &overlay, &PyList_Type, &hashes,
+                          &alive, &nslots))
+        return NULL;
+    MaskMap *pm = as_maskmap(present);
+    if (pm == NULL) return NULL;
+    uint64_t a;
+    if (nslots <= 64 && PyLong_Check(alive) && as_word(alive, &a)) {
+        PyObject *r = walk64(pm, overlay, hashes, a, nslots);
+        if (r != NULL || PyErr_Occurred()) return r;
+    }
+    Py_RETURN_NONE;
 }
 
 static PyObject *walk_lengths(PyObject *self, PyObject *args) {
@@ -795,7 +849,7 @@ static PyObject *walk_lengths(PyObject *self, PyObject *args) {
         uint64_t a = (uint64_t)PyLong_AsUnsignedLongLong(alive);
         if (a == (uint64_t)-1 && PyErr_Occurred()) PyErr_Clear();
         else {
-            PyObject *r = walk_lengths64(pm, hashes, a, nslots);
+            PyObject *r = walk64(pm, NULL, hashes, a, nslots);
             if (r != NULL || PyErr_Occurred()) return r;
         }
     }
@@ -954,6 +1008,9 @@ static PyMethodDef methods[] = {
      "counts_add(counts, keys, delta): counts[k] += delta, dropping keys that reach <= 0"},
     {"json_array_span", json_array_span, METH_VARARGS,
      "json_array_span(json_object_bytes, key) -> (start, end) of the top-level key's array, or None"},
+    {"walk_overlay", walk_overlay, METH_VARARGS,
+     "walk_overlay(present, overlay, hashes, alive, nslots) -> (per-slot lengths, per-slot "
+     "predicted blocks), or None past 64 slots"},
     {"walk_lengths", walk_lengths, METH_VARARGS,
      "walk_lengths(present, hashes, alive, nslots) -> (per-slot matched lengths, end)"},
     {NULL, NULL, 0, NULL},

@@ -534,6 +534,15 @@ class PrefixIndex:
         if self._nogpu or (pools and self._low[3]):
             return self._match_general(hashes, overlay, pools)
         if overlay:
+            # predictions too: the same C walk with the overlay (up to 64 slots), else per run
+            if _walk_overlay is not None and type(overlay) is dict:
+                if type(hashes) is not list:
+                    hashes = list(hashes)
+                r = _walk_overlay(
+                    self._present, overlay, hashes, self._all_bits, len(self._by_slot)
+                )
+                if r is not None:
+                    return self._result(len(hashes), r[0], r[1])
             return self._match_overlay(hashes, overlay)
         # GPU-only holders and nothing to overlay: the walk is a C loop over the blocks.
         if type(hashes) is not list:
@@ -600,11 +609,21 @@ class PrefixIndex:
         counts = self._count_runs(runs, pos, ended) if runs else {}
         return self._build(n, pos, ended, counts)
 
-    def _result(self, n: int, lengths: list[int]) -> MatchResult:
-        """Per-worker answer from per-slot lengths, with one shared object per distinct length
-        and the dict built by C-level zip/map (no per-worker bytecode)."""
+    def _result(self, n: int, lengths: list[int], preds: list[int] | None = None) -> MatchResult:
+        """Per-worker answer from per-slot lengths (and predicted blocks), with one shared object
+        per distinct length and the dict built by C-level zip/map (no per-worker bytecode)."""
         shared = {m: WorkerMatch(m, {"GPU": m}) for m in set(lengths)}
         shared[0] = _ZERO
+        if preds is not None and any(preds):
+            return MatchResult(
+                n,
+                {
+                    w.key: WorkerMatch(m, {"GPU": m - p}, p) if p else shared[m]
+                    for w in self._by_slot
+                    if w is not None
+                    for m, p in ((lengths[w.slot], preds[w.slot]),)
+                },
+            )
         if not self._free_slots:
             keys = self._slot_keys()
             return MatchResult(n, dict(zip(keys, map(shared.__getitem__, lengths))))
@@ -888,8 +907,10 @@ def _py_walk_lengths(
 
 try:
     from indexer._chash import walk_lengths as _walk_lengths
+    from indexer._chash import walk_overlay as _walk_overlay
 except ImportError:  # pragma: no cover - only where the extension could not be built
     _walk_lengths = _py_walk_lengths
+    _walk_overlay = None
 
 
 def _end_slots(alive: int, present: int, ended: dict[int, int], pos: int) -> int:
