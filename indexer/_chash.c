@@ -766,14 +766,13 @@ static PyObject *walk64(MaskMap *pm, PyObject *overlay, PyObject *hashes, uint64
     for (Py_ssize_t k = 0; k < nslots; k++) len[k] = pred[k] = 0;
     PyObject *prev = NULL, *result = NULL;
     uint64_t prevv = 0;
-    int declined = 0;
     for (; i < nkeys; i++) {
         if (i + WALK_AHEAD < nkeys) __builtin_prefetch(&pm->slots[mm_pos(pm, keys[i + WALK_AHEAD])]);
         PyObject *m = mm_get(pm, keys[i]);
         uint64_t mv = 0, ov = 0;
         if (m != NULL) {
             if (m != prev) {
-                if (!as_word(m, &prevv)) { declined = 1; goto done; }
+                if (!as_word(m, &prevv)) goto done; /* declined */
                 prev = m;
             }
             mv = prevv;
@@ -781,7 +780,7 @@ static PyObject *walk64(MaskMap *pm, PyObject *overlay, PyObject *hashes, uint64
         if (overlay != NULL) {
             PyObject *o = PyDict_GetItemWithError(overlay, PyList_GET_ITEM(hashes, i));
             if (o == NULL && PyErr_Occurred()) goto done;
-            if (o != NULL && !as_word(o, &ov)) { declined = 1; goto done; }
+            if (o != NULL && !as_word(o, &ov)) goto done; /* declined */
         }
         uint64_t held = mv | ov;
         if (!held) break;
@@ -816,7 +815,6 @@ static PyObject *walk64(MaskMap *pm, PyObject *overlay, PyObject *hashes, uint64
     result = preds != NULL ? Py_BuildValue("(NN)", lengths, preds) : Py_BuildValue("(Nn)", lengths, i);
 done:
     if (keys != stack_keys) PyMem_Free(keys);
-    (void)declined; /* NULL and no error set: declined */
     return result;
 }
 

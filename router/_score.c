@@ -19,7 +19,7 @@ typedef struct {
 
 static PyObject *s_by_tier, *s_predicted, *s_prefill, *s_shared_prefill, *s_active,
     *s_shared_active, *s_scraped, *s_healthy, *s_whash, *s_credited, *s_cost, *s_running,
-    *s_waiting, *s_kv_usage, *s_external;
+    *s_waiting, *s_kv_usage;
 
 static uint64_t tie_hash(uint64_t request_key, uint64_t whash) {
     uint64_t x = request_key ^ (whash * 0x9E3779B97F4A7C15ULL);
@@ -214,7 +214,6 @@ PyMODINIT_FUNC PyInit__score(void) {
     INTERN(s_running, "running");
     INTERN(s_waiting, "waiting");
     INTERN(s_kv_usage, "kv_usage");
-    INTERN(s_external, "EXTERNAL");
 #undef INTERN
     return PyModule_Create(&module);
 }
