@@ -19,13 +19,13 @@ every ``retry_s``.
 
 Workers are added and removed through the same calls as ``POST``/``DELETE /workers``
 (:class:`WorkerSink`, the router state); this module never touches the index. Every change is made
-by this one task, serialized by a lock.
+by this module's tasks (one per changed pod, so a pod slow to describe itself delays no other),
+one change at a time under a lock.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Mapping
 from typing import Any, Protocol
@@ -156,11 +156,9 @@ def _from_sources(sources: list[_Source], ip: str) -> tuple[str, str | None, int
     replays = [local(x.replay_endpoint) if x.replay_endpoint else None for x in by_rank]
     for key, eps in (("endpoint", events), ("replay_endpoint", replays)):
         first = eps[0]
-        if first is None:
-            if any(e is not None for e in eps):
-                raise PodNotUsable(f"/kv_event_sources: {key} set on some ranks only")
-            continue
-        if any(e != (first[0], first[1] + r) for r, e in enumerate(eps)):
+        if any((e is None) != (first is None) for e in eps):
+            raise PodNotUsable(f"/kv_event_sources: {key} set on some ranks only")
+        if first is not None and any(e != (first[0], first[1] + r) for r, e in enumerate(eps)):
             raise PodNotUsable(f"/kv_event_sources: {key} of rank r is not on port base + r")
     replay = f"tcp://{replays[0][0]}:{replays[0][1]}" if replays[0] is not None else None
     return f"tcp://{events[0][0]}:{events[0][1]}", replay, len(by_rank)
@@ -187,6 +185,9 @@ class KubernetesDiscovery:
         self.lists = 0  # LIST calls made (each start, and each 410)
         self._problems: dict[str, str] = {}  # pod -> why it is not a worker (logged once)
         self._lock = asyncio.Lock()
+        self._dirty: set[str] = set()  # pods changed since their reconcile task read them
+        self._tasks: dict[str, asyncio.Task[None]] = {}  # pod -> its reconcile task
+        self._http: Any = None  # for /kv_event_sources, made by run()
         self._config = self._kubeconfig()  # a missing configuration fails the start
 
     def _kubeconfig(self) -> Any:
@@ -222,42 +223,41 @@ class KubernetesDiscovery:
         self.sink = sink
         s = self.settings
         client = self._client()
-        http = self._httpx.AsyncClient(timeout=s.timeout_s, trust_env=False)
-        retry = asyncio.create_task(self._retry_pending(http), name="k8s-discovery-retry")
+        self._http = self._httpx.AsyncClient(timeout=s.timeout_s, trust_env=False)
+        retry = asyncio.create_task(self._retry_pending(), name="k8s-discovery-retry")
         try:
             while True:
                 try:
-                    version = await self._relist(client, Pod, http)
+                    version = await self._relist(client, Pod)
                 except Exception as e:  # API server unreachable, forbidden...: try again
                     log.warning("listing pods %s failed: %r", s.labels, e)
                     await asyncio.sleep(s.retry_s)
                     continue
-                await self._watch(client, Pod, http, version)
+                await self._watch(client, Pod, version)
         finally:
-            retry.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await retry
-            await http.aclose()
+            tasks = [retry, *self._tasks.values()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._http.aclose()
             await client.close()
-            for name in list(self.workers):  # the router stops: nothing to clean up in it
-                self.workers.pop(name)
+            self.workers.clear()  # the router stops: nothing to clean up in it
 
-    async def _relist(self, client: Any, pod_type: Any, http: Any) -> str:
+    async def _relist(self, client: Any, pod_type: Any) -> str:
         s = self.settings
         listing = client.list(pod_type, namespace=s.namespace, labels=s.labels)
         pods = {p.metadata.name: p async for p in listing}
         self.lists += 1
-        async with self._lock:
-            for name in [n for n in self.pods if n not in pods]:
-                self.pods.pop(name)
-                await self._reconcile(name, http)
-            self.pods.update(pods)
-            for name in pods:
-                await self._reconcile(name, http)
-        log.info("kubernetes discovery: %d pods, %d workers", len(pods), len(self.workers))
+        gone = [n for n in self.pods if n not in pods]
+        for name in gone:
+            del self.pods[name]
+        self.pods.update(pods)
+        for name in [*gone, *pods]:
+            self._kick(name)
+        log.info("kubernetes discovery: listed %d pods", len(pods))
         return str(listing.resourceVersion)
 
-    async def _watch(self, client: Any, pod_type: Any, http: Any, version: str) -> None:
+    async def _watch(self, client: Any, pod_type: Any, version: str) -> None:
         """Watch from ``version`` until the API server no longer has it (then: relist)."""
         s = self.settings
         while True:
@@ -268,14 +268,13 @@ class KubernetesDiscovery:
                 async for kind, pod in stream:
                     version = pod.metadata.resourceVersion or version
                     name = pod.metadata.name
-                    async with self._lock:
-                        if kind == "DELETED":
-                            self.pods.pop(name, None)
-                        elif kind in ("ADDED", "MODIFIED"):
-                            self.pods[name] = pod
-                        else:  # BOOKMARK: only a newer version
-                            continue
-                        await self._reconcile(name, http)
+                    if kind == "DELETED":
+                        self.pods.pop(name, None)
+                    elif kind in ("ADDED", "MODIFIED"):
+                        self.pods[name] = pod
+                    else:  # BOOKMARK: only a newer version
+                        continue
+                    self._kick(name)
             except (self._httpx.HTTPError, msgspec.DecodeError, msgspec.ValidationError) as e:
                 if self._expired(e):
                     log.info("pod watch: resourceVersion %s expired, relisting", version)
@@ -294,35 +293,54 @@ class KubernetesDiscovery:
             return e.status.code == 410
         return isinstance(e, self._httpx.HTTPStatusError) and e.response.status_code == 410
 
-    async def _retry_pending(self, http: Any) -> None:
+    async def _retry_pending(self) -> None:
         """Ready pods without a worker (endpoints unreadable, add refused): try again."""
         while True:
             await asyncio.sleep(self.settings.retry_s)
-            async with self._lock:
-                for name in [n for n in self._problems if n in self.pods]:
-                    await self._reconcile(name, http)
+            for name in [n for n in self._problems if n in self.pods]:
+                self._kick(name)
 
-    async def _reconcile(self, name: str, http: Any) -> None:
-        """Make the worker of pod ``name`` match its latest known state. Lock held."""
-        pod = self.pods.get(name)
-        want: WorkerConfig | None = None
-        if pod is not None and pod_ready(pod):
-            try:
-                want = await self._describe(pod, http)
-            except PodNotUsable as e:
-                self._problem(name, str(e))
-                want = None
-        else:
-            self._problems.pop(name, None)
+    def _kick(self, name: str) -> None:
+        """Pod ``name`` changed: reconcile it, in its own task (one slow pod's
+        ``/kv_event_sources`` delays no other), once more if it changes meanwhile."""
+        self._dirty.add(name)
+        if name not in self._tasks:
+            self._tasks[name] = asyncio.create_task(self._reconcile(name), name=f"k8s-pod-{name}")
+
+    async def _reconcile(self, name: str) -> None:
+        try:
+            while name in self._dirty:
+                self._dirty.discard(name)
+                pod = self.pods.get(name)
+                want: WorkerConfig | None = None
+                why = None
+                if pod is not None and pod_ready(pod):
+                    try:
+                        want = await self._describe(pod, self._http)
+                    except PodNotUsable as e:
+                        why = str(e)
+                if name in self._dirty:
+                    continue  # a newer state arrived while we were reading this one
+                async with self._lock:  # one change to the worker set at a time
+                    await self._apply(name, want, why)
+        except Exception:  # a bug here must not leave the pod unreconciled for good
+            log.exception("kubernetes discovery: reconciling pod %s failed", name)
+            self._problems.setdefault(name, "reconciling failed")
+        finally:  # no await since the loop's test: a kick from now on starts a new task
+            self._tasks.pop(name, None)
+
+    async def _apply(self, name: str, want: WorkerConfig | None, why: str | None) -> None:
         sink = self.sink
         assert sink is not None
         have = self.workers.get(name)
+        if why is not None:
+            self._problem(name, why)
+        elif want == have:
+            self._problems.pop(name, None)
         if want == have:
-            if want is not None:
-                self._problems.pop(name, None)
             return
         if have is not None:
-            self.workers.pop(name)
+            del self.workers[name]
             try:
                 await sink.remove_worker(name)
                 log.info("kubernetes discovery: removed worker %s", name)

@@ -6,6 +6,8 @@ a discovered worker is subscribed to and routed to for real."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -14,7 +16,7 @@ from router_fakeapi import FakeApiServer, make_pod
 from router_fakeworker import FakeWorker, ServerHandle, wait_for
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from router.app import create_app
@@ -247,3 +249,59 @@ async def test_kv_event_sources_give_the_endpoints_and_ranks(api, discovering, w
         assert cfg.url == vllm.url
     finally:
         await vllm.stop()
+
+
+async def test_hostile_kv_event_sources_delay_no_other_pod_and_are_refused(
+    api, discovering, workers, caplog
+):
+    """One pod never answers ``/kv_event_sources``, one streams an endless answer: the good pod
+    is added at once, the endless answer is cut at 64 KiB and refused, the silent one times out;
+    neither becomes a worker."""
+    a = await workers("a")
+    ev = int(a.events_endpoint.rsplit(":", 1)[1])
+    never = asyncio.Event()
+
+    async def silent(request: Request) -> Response:
+        await never.wait()
+        return JSONResponse([])
+
+    async def endless(request: Request) -> Response:
+        async def body():
+            yield b"["
+            while True:
+                yield b'{"data_parallel_rank": 0, "endpoint": "tcp://*:1"},' * 1000
+                await asyncio.sleep(0)
+
+        return StreamingResponse(body(), media_type="application/json")
+
+    async def good(request: Request) -> Response:
+        return JSONResponse([{"data_parallel_rank": 0, "endpoint": f"tcp://*:{ev}"}])
+
+    servers = [
+        await ServerHandle(Starlette(routes=[Route("/kv_event_sources", f)])).start()
+        for f in (silent, endless, good)
+    ]
+    try:
+        fake = await api()
+        for name, srv in zip(("silent", "endless", "good"), servers):
+            port = srv.url.rsplit(":", 1)[1]
+            fake.put(make_pod(name, annotations={"kvrouter.io/http-port": port}))
+        state = await discovering(fake, endpoints="kv_event_sources", timeout_s=2.0)
+        await wait_for(lambda: ids(state) == {"good"}, 1.5, "the good pod, before any timeout")
+        caplog.set_level(logging.WARNING, logger="kvrouter.discovery")
+
+        def refused(pod: str, why: str) -> bool:
+            return any(
+                f"pod {pod} is not a worker" in r.getMessage() and why in r.getMessage()
+                for r in caplog.records
+            )
+
+        await wait_for(lambda: refused("endless", "larger than 64 KiB"), 10, "endless refused")
+        await wait_for(lambda: refused("silent", "Timeout"), 10, "silent timed out")
+        assert ids(state) == {"good"}
+        cfg = state.registry.workers["good"].config
+        assert cfg.events_endpoint == f"tcp://127.0.0.1:{ev}" and cfg.replay_endpoint is None
+    finally:
+        never.set()
+        for srv in servers:
+            await srv.stop()
