@@ -75,7 +75,9 @@ CMD ["engine", "--host", "0.0.0.0", "--port", "8001", "--events", "tcp://*:5557"
 
 # ------------------------------------------------------------------------------------------ router
 FROM runtime AS router
-ENV KVROUTER_HOST=0.0.0.0 KVROUTER_PORT=8000
+# a container's router answers on every interface (this overrides `host:` in a config file; set
+# the port with KVROUTER_PORT so the HEALTHCHECK follows it)
+ENV KVROUTER_HOST=0.0.0.0
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request as u; u.urlopen('http://127.0.0.1:%s/health' % os.environ.get('KVROUTER_PORT', '8000'), timeout=2)"]

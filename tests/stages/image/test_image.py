@@ -2,9 +2,9 @@
 (non-root, ``kvrouter`` entrypoint, HEALTHCHECK, ports), their contents (no compiler, the C
 accelerators built), and a smoke run of their own files.
 
-podman's OCI runtime cannot start containers on these machines, so each image is instantiated with
-``podman create`` + ``podman mount`` (a writable root, nothing started) and its programs are run
-with ``chroot`` as the image's user, in a private mount namespace that gives them /dev and /proc.
+podman's OCI runtime cannot start containers on these machines, so each image's root is mounted
+read-only with ``podman image mount`` and its programs are run with ``chroot`` as the image's user,
+in a private mount namespace that gives them /dev, /proc and a tmpfs /tmp.
 That runs the image's interpreter, virtualenv and entrypoint exactly; only the container
 runtime's isolation is missing.
 
@@ -46,15 +46,15 @@ def inspect(image: str) -> dict[str, Any]:
 
 
 class Rootfs:
-    """A created (never started) container of ``image``, mounted read-write."""
+    """The image's root filesystem, mounted read-only (as ``readOnlyRootFilesystem`` in the
+    Kubernetes manifests), with a fresh tmpfs on /tmp for each command (their emptyDir)."""
 
     def __init__(self, image: str) -> None:
         self.image = image
         meta = inspect(image)
         self.config = meta["Config"]
         self.healthcheck: list[str] = (meta.get("Healthcheck") or {}).get("Test") or []
-        self.cid = podman("create", image)
-        self.path = Path(podman("mount", self.cid))
+        self.path = Path(podman("image", "mount", image))
 
     def argv(self, *cmd: str, env: dict[str, str] | None = None) -> list[str]:
         """``cmd`` in the image, as its user, with the image's environment (+ ``env``)."""
@@ -64,6 +64,7 @@ class Rootfs:
         root = str(self.path)
         script = (
             f'mount --rbind /dev "{root}/dev" && mount -t proc proc "{root}/proc" && '
+            f'mount -t tmpfs -o mode=1777 tmpfs "{root}/tmp" && '
             f'exec chroot --userspec={user} "{root}" "$@"'
         )
         pairs = [f"{k}={v}" for k, v in environ.items()]
@@ -75,8 +76,7 @@ class Rootfs:
         ).stdout
 
     def close(self) -> None:
-        subprocess.run(["podman", "umount", self.cid], capture_output=True, timeout=60)
-        subprocess.run(["podman", "rm", "-f", self.cid], capture_output=True, timeout=60)
+        subprocess.run(["podman", "image", "umount", self.image], capture_output=True, timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +175,8 @@ def test_router_image_has_accelerators_and_no_compiler(router_fs: Rootfs) -> Non
     assert out.strip() == "ok"
     assert router_fs.run("kvrouter", "--version").strip().startswith("kvrouter ")
     assert router_fs.run("id", "-u").strip() == "10001"
+    write = subprocess.run(router_fs.argv("touch", "/opt/kvrouter/x"), capture_output=True)
+    assert write.returncode != 0, "the root filesystem is read-only here, as in the manifests"
 
 
 def test_router_image_up_serves_and_passes_its_healthcheck(router_fs: Rootfs) -> None:
