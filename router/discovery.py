@@ -335,6 +335,8 @@ class KubernetesDiscovery:
         have = self.workers.get(name)
         if why is not None:
             self._problem(name, why)
+            if have is not None:  # readiness removes a worker, not one failed read of a pod
+                return
         elif want == have:
             self._problems.pop(name, None)
         if want == have:

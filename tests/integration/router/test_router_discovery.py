@@ -225,6 +225,8 @@ async def test_kv_event_sources_give_the_endpoints_and_ranks(api, discovering, w
     answer: dict[str, Any] = {"status": 503, "body": {"error": "engine starting"}}
 
     async def sources(request: Request) -> Response:
+        if answer["status"] != 200:
+            answer["reads"] = answer.get("reads", 0) + 1
         return JSONResponse(answer["body"], answer["status"])
 
     vllm = await ServerHandle(Starlette(routes=[Route("/kv_event_sources", sources)])).start()
@@ -247,6 +249,14 @@ async def test_kv_event_sources_give_the_endpoints_and_ranks(api, discovering, w
         assert cfg.events_endpoint == f"tcp://127.0.0.1:{ev_port}"
         assert cfg.replay_endpoint == f"tcp://127.0.0.1:{rp_port}"
         assert cfg.url == vllm.url
+        # a failed read of a registered pod keeps its worker; only readiness removes it
+        answer["status"], answer["body"], answer["reads"] = 503, {"error": "busy"}, 0
+        reads = len(fake.watches)
+        fake.put(make_pod("vllm-0", annotations={"kvrouter.io/http-port": http_port, "x": "1"}))
+        await wait_for(lambda: answer.get("reads", 0) >= 2, 10, "the pod read again")
+        assert ids(state) == {"vllm-0"} and len(fake.watches) == reads
+        fake.put(make_pod("vllm-0", ready=False, annotations={"kvrouter.io/http-port": http_port}))
+        await wait_for(lambda: ids(state) == set(), 10, "removed once not ready")
     finally:
         await vllm.stop()
 
