@@ -39,7 +39,8 @@ RUN --mount=type=secret,id=ca-bundle \
  && /opt/kvrouter/bin/pip wheel --no-deps --wheel-dir /wheels . \
  && /opt/kvrouter/bin/pip install "$(ls /wheels/kvrouter-*.whl)[k8s]" \
  && cd / && /opt/kvrouter/bin/python -c "import indexer._chash, router._score" \
- && /opt/kvrouter/bin/pip uninstall -y wheel \
+ && /opt/kvrouter/bin/pip uninstall -y wheel setuptools \
+ && /opt/kvrouter/bin/python -m pip uninstall -y pip \
  && find /opt/kvrouter -name __pycache__ -prune -exec rm -rf {} + \
  && /opt/kvrouter/bin/python -m compileall -q /opt/kvrouter/lib
 
@@ -57,14 +58,17 @@ ENTRYPOINT ["kvrouter"]
 # ------------------------------------------------------------------------------------------ engine
 FROM runtime AS engine
 # WITH_TORCH=1 adds the torch runner: torch 2.13.0 CPU build, from the index that carries it
+# (the venv has no pip: ensurepip brings one for this step only)
 ARG WITH_TORCH=0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 USER 0
 RUN --mount=type=secret,id=ca-bundle \
     if [ -s /run/secrets/ca-bundle ]; then export PIP_CERT=/run/secrets/ca-bundle; fi \
  && if [ "$WITH_TORCH" = 1 ]; then \
-        pip install --no-cache-dir --index-url "$TORCH_INDEX_URL" torch==2.13.0 \
-     && pip install --no-cache-dir safetensors numpy; \
+        python -m ensurepip --default-pip \
+     && python -m pip install --no-cache-dir --index-url "$TORCH_INDEX_URL" torch==2.13.0 \
+     && python -m pip install --no-cache-dir "safetensors>=0.4" "numpy>=1.26" \
+     && python -m pip uninstall -y pip setuptools; \
     fi
 USER 10001:10001
 EXPOSE 8001 5557 5558
