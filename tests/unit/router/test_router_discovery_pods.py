@@ -132,3 +132,16 @@ def test_discovery_settings_are_checked_by_key() -> None:
     assert "kubernetes.discovery.http_port" in bad({"http_port": 0})
     assert "kubernetes.discovery.api_server" in bad({"api_server": "file:///etc/passwd"})
     assert "kubernetes.discovery.enabled" in bad({"enabled": "yes please"})
+
+
+def test_no_kubernetes_api_access_fails_the_start_by_name(tmp_path, monkeypatch) -> None:
+    """Discovery on, outside a pod, no kubeconfig: ``create_app`` refuses (``kvrouter serve``
+    prints it and exits 2) rather than a router that silently never finds a worker."""
+    from router.app import create_app
+    from router.errors import ConfigError
+    from router.settings import load_settings
+
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "no-such-kubeconfig"))
+    settings = load_settings(environ={}, overrides={"kubernetes": {"discovery": {"enabled": True}}})
+    with pytest.raises(ConfigError, match=r"kubernetes\.discovery: no Kubernetes API access"):
+        create_app(settings)
