@@ -219,6 +219,12 @@ async def _snapshots(state: RouterState) -> None:
 
 
 def create_app(settings: Settings) -> FastAPI:
+    discovery = None
+    if settings.kubernetes.discovery.enabled:  # workers from pods (the `k8s` extra)
+        from router.discovery import KubernetesDiscovery
+
+        discovery = KubernetesDiscovery(settings.kubernetes.discovery)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         p = settings.proxy
@@ -245,6 +251,8 @@ def create_app(settings: Settings) -> FastAPI:
             for key in state.index.workers():  # restored ranks of workers no longer configured
                 if key[0] not in configured:
                     state.index.remove_worker(key[0])
+            if discovery is not None:
+                tasks.append(asyncio.create_task(discovery.run(state), name="k8s-discovery"))
             tasks.append(asyncio.create_task(state.registry.run(state.upstream), name="health"))
             tasks.append(asyncio.create_task(_housekeeping(state), name="housekeeping"))
             if settings.snapshot.path:
