@@ -18,6 +18,7 @@ __all__ = [
     "EngineHash",
     "Event",
     "EventBatch",
+    "ResumePoint",
     "canonical_tier",
 ]
 
@@ -92,3 +93,15 @@ class EventBatch(msgspec.Struct, frozen=True, gc=False):
     topic: bytes = b""
     #: Events of a type this decoder does not know: skipped, counted here.
     unknown_events: int = 0
+
+
+class ResumePoint(int):
+    """A worker rank's last applied seq (the int itself) and the ``ts`` of that batch, which
+    tells, on resume, whether the publisher still is the process that seq came from."""
+
+    ts: float | None
+
+    def __new__(cls, seq: int, ts: float | None = None) -> ResumePoint:
+        self = super().__new__(cls, seq)
+        self.ts = ts
+        return self

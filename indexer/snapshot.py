@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from indexer.events import ResumePoint
 from indexer.hashing import HASH_VERSION
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -44,6 +45,8 @@ class _WorkerSnap(msgspec.Struct):
     tiers: list[int]
     rechunk: list[_RBlock] = []
     cover: list[tuple[int, list[_EH]]] = []
+    #: ``ts`` of the batch ``seq`` names (a new publisher process is told by another ts).
+    ts: float | None = None
 
 
 class _Snapshot(msgspec.Struct):
@@ -64,11 +67,13 @@ def write_snapshot(
     seq_map = dict(seqs)
     workers = []
     for key, w in index._workers.items():
+        point = seq_map.get(key)
         ws = _WorkerSnap(
             worker_id=key[0],
             dp_rank=key[1],
             model=w.model,
-            seq=seq_map.get(key),
+            seq=None if point is None else int(point),
+            ts=getattr(point, "ts", None),
             engine_hashes=list(w.table),
             router_hashes=list(w.table.values()),
             tiers=[w.emask.get(e, 1) for e in w.table],
@@ -115,7 +120,7 @@ def read_snapshot(
         key = (ws.worker_id, ws.dp_rank)
         w = index._workers[key]
         if ws.seq is not None:
-            seqs[key] = ws.seq
+            seqs[key] = ResumePoint(ws.seq, ws.ts)
         per_router: dict[int, dict] = {}
         for e, h, m in zip(ws.engine_hashes, ws.router_hashes, ws.tiers):
             w.table[e] = h

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from indexer.events import EventBatch
+from indexer.events import EventBatch, ResumePoint
 from indexer.subscriber_state import (
     SubscriberError,
     Watch,
@@ -146,6 +146,15 @@ class Subscriber(StreamLogic):
                 out[r.key] = st
         return out
 
+    def resume_points(self) -> dict[WorkerKey, ResumePoint]:
+        """Per worker rank: the last applied seq and its batch's ts, what a snapshot records."""
+        return {
+            r.key: ResumePoint(r.last, r.last_ts)
+            for _, ranks in self._workers.values()
+            for r in ranks
+            if r.last >= 0
+        }
+
     def workers(self) -> dict[str, WorkerEndpoint]:
         return {wid: ep for wid, (ep, _) in self._workers.items()}
 
@@ -223,9 +232,9 @@ class Subscriber(StreamLogic):
                 self._open_rank(r)
                 seq = self._restored.pop(r.key, None)
                 if seq is not None:
-                    r.last = seq
+                    r.last, r.last_ts = int(seq), getattr(seq, "ts", None)
                 if r.replay_ep is not None:
-                    self._start_replay(r, r.last + 1 if r.last >= 0 else 0, None, join=True)
+                    self._resume(r, join=True)
                 else:
                     r.stats.replay_done = True
         except Exception as exc:
@@ -376,6 +385,7 @@ class Subscriber(StreamLogic):
             last_batch = batch
             if batch.seq == r.last + 1 and r.fast:
                 r.last = r.live_last = batch.seq
+                r.last_ts = batch.ts
                 try:
                     apply(wid, batch, dp_rank=rank)
                 except Exception as exc:

@@ -11,6 +11,12 @@ here runs on that task and is synchronous. Rules (DESIGN §4):
   of ``target - 1`` drops the rank's entries (``index.clear_worker``) and marks it untrusted.
 - after a replay, buffered live batches the replay already covered are skipped; nothing is
   applied twice, and a rank's batches are applied in seq order.
+- a new publisher process is detected on every (re)connect and snapshot resume, not only when a
+  live seq goes backwards: the replay then starts at the last *applied* seq, and its first reply
+  must be that same batch (same ``ts``). Another batch under that seq, a later seq, or no reply at
+  all means the process that seq came from is gone: the rank's entries are dropped and the new
+  process's stream is replayed from 0 (a restart, the rank stays trusted). Without a replay
+  endpoint only a live seq going backwards can show a restart.
 
 Trust rule: a rank whose entries were dropped because events were lost (a gap replay could not
 close, a replay timeout) is ``trusted=False`` until it applies, in order, a live batch newer than
@@ -66,6 +72,7 @@ class StreamLogic:
 
     def _apply(self, r: WorkerRank, batch: EventBatch) -> None:
         st = r.stats
+        r.last_ts = batch.ts
         try:
             self._index.apply_batch(r.worker_id, batch, dp_rank=r.rank)
         except Exception as exc:
@@ -123,9 +130,34 @@ class StreamLogic:
         st = r.stats
         st.restarts += 1
         st.trusted = True
-        r.last, r.live_last, r.trust_after = -1, batch.seq, -1
+        r.last, r.live_last, r.trust_after, r.last_ts = -1, batch.seq, -1, None
         _log.info("worker %s rank %d restarted (seq %d)", r.worker_id, r.rank, batch.seq)
         self._ordered(r, batch, None)
+
+    def _new_process(self, r: WorkerRank, rp: Replay, why: str) -> None:
+        """A verifying replay showed a new publisher process: drop the rank's entries and
+        replay the new process's stream from 0, keeping the live batches buffered meanwhile."""
+        buffered = rp.buffer
+        self._abort_replay(r)
+        self._clear(r)
+        st = r.stats
+        st.restarts += 1
+        st.trusted = True
+        r.last, r.last_ts, r.trust_after = -1, None, -1
+        r.live_last = max((b.seq for b in buffered), default=-1)
+        _log.info("worker %s rank %d is a new publisher process: %s", r.worker_id, r.rank, why)
+        self._start_replay(r, 0, None, join=rp.join)
+        if rp.join:
+            st.replay_done = False
+        r.replay.buffer.extend(buffered)  # type: ignore[union-attr]
+
+    def _resume(self, r: WorkerRank, *, join: bool) -> None:
+        """Replay what was published after the last applied seq, checking first that the
+        publisher is still the process that seq came from (see the module rules)."""
+        if r.last >= 0 and r.last_ts is not None:
+            self._start_replay(r, r.last, None, join=join, verify=True)
+        else:
+            self._start_replay(r, r.last + 1 if r.last >= 0 else 0, None, join=join)
 
     def _clear(self, r: WorkerRank) -> None:
         r.clears += 1
@@ -156,8 +188,10 @@ class StreamLogic:
             r.next_log = now + _LOG_EVERY_S
             _log.log(level, "worker %s rank %d: " + msg, r.worker_id, r.rank, *args)
 
-    def _start_replay(self, r: WorkerRank, start: int, target: int | None, *, join: bool) -> None:
-        r.replay = Replay(start, target, join)
+    def _start_replay(
+        self, r: WorkerRank, start: int, target: int | None, *, join: bool, verify: bool = False
+    ) -> None:
+        r.replay = Replay(start, target, join, verify)
         r.fast = False
         r.stats.replays += 1
         if r.stats.connected:
@@ -166,6 +200,19 @@ class StreamLogic:
     def _on_replay_reply(
         self, r: WorkerRank, rp: Replay, s: int, payload: bytes, topic: bytes
     ) -> None:
+        if rp.verify and rp.lo is None:
+            rp.lo = rp.hi = s
+            if s == r.last:
+                try:
+                    ts: float | None = decode_payload(payload, seq=s, topic=topic).ts
+                except Exception:  # WireError, or a decoder bug: not the batch that was applied
+                    ts = None
+                if ts == r.last_ts:
+                    return  # the same process: the replies after it continue the stream
+            self._new_process(
+                r, rp, f"replay answered seq {s} for applied seq {r.last} differently"
+            )
+            return
         if rp.lo is None:
             rp.lo = s
         rp.hi = s
@@ -185,7 +232,10 @@ class StreamLogic:
             r.last = s - 1
         r.last = s
         self._apply(r, batch)
-        r.stats.replayed += 1
+        st = r.stats
+        st.replayed += 1
+        st.last_message_at = now = self._clock()
+        st.lag_s = now - batch.ts
 
     def _abort_replay(self, r: WorkerRank) -> None:
         if r.replay is not None and r.replay.join:
@@ -265,6 +315,10 @@ class StreamLogic:
                 self._malformed(r, exc)
                 continue
             if reply.is_end:
+                r.stats.last_message_at = self._clock()
+                if rp.verify and rp.lo is None:
+                    self._new_process(r, rp, f"replay holds nothing from applied seq {r.last} on")
+                    return False
                 self._finish_replay(r, None)
                 return False
             try:
@@ -300,8 +354,9 @@ class StreamLogic:
             if not rp.sent:
                 self._send_replay(r)
         elif r.ever_connected and r.replay_ep is not None and r.last >= -1:
-            # Reconnected: ask for what was published while the connection was down.
-            self._start_replay(r, r.last + 1, None, join=False)
+            # Reconnected: ask for what was published while the connection was down, from a
+            # new process if that is what answers.
+            self._resume(r, join=False)
         r.ever_connected = True
 
     def _do_restore(self, seqs: dict[tuple[str, int], int]) -> None:
@@ -313,9 +368,9 @@ class StreamLogic:
                 continue
             if r.replay is not None:
                 self._abort_replay(r)
-            r.last, r.live_last = seq, -1
+            r.last, r.live_last, r.last_ts = int(seq), -1, getattr(seq, "ts", None)
             if r.replay_ep is not None:
-                self._start_replay(r, seq + 1, None, join=False)
+                self._resume(r, join=False)
 
     def _drain_mon(self, r: WorkerRank) -> bool:
         sock = r.mon.sock  # type: ignore[union-attr]

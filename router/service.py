@@ -310,10 +310,8 @@ class RouterState:
         path = self.settings.snapshot.path
         if not path:
             return
-        stats = self.subscriber.stats()
-        seqs = {k: st.last_seq for k, st in stats.items() if st.last_seq is not None}
         try:
-            self.index.snapshot(path, seqs)
+            self.index.snapshot(path, self.subscriber.resume_points())
         except OSError as e:
             log.warning("index snapshot to %s failed: %s", path, e)
 
