@@ -7,10 +7,13 @@ or ``bytes`` (32-byte digests); they are only ever compared within one worker.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 __all__ = [
     "CANONICAL_TIERS",
+    "FULL_PREFIX_KINDS",
     "TIER_ALIASES",
     "AllBlocksCleared",
     "BlockRemoved",
@@ -26,6 +29,13 @@ EngineHash = int | bytes
 
 #: Fastest first. Scoring weights and "a block counts at its fastest tier" follow this order.
 CANONICAL_TIERS: tuple[str, ...] = ("GPU", "CPU_PINNED", "DISK", "EXTERNAL")
+
+#: ``kv_cache_spec_kind`` values whose group keeps every block of a prefix. Blocks of other
+#: groups (sliding window, chunked local attention, Mamba state: partial prefixes) do not make a
+#: prefix present on their own; see ``indexer.index`` for the rule.
+FULL_PREFIX_KINDS: frozenset[str | None] = frozenset(
+    {None, "full_attention", "mla_attention", "cross_attention", "encoder_only_attention"}
+)
 
 TIER_ALIASES: dict[str, str] = {
     "GPU": "GPU",
@@ -68,12 +78,20 @@ class BlockStored(msgspec.Struct, frozen=True, tag=True, gc=False):
     medium: str | None = None
     lora_id: int | None = None
     lora_name: str | None = None
+    #: Per block, the engine's extra hash keys (LoRA, multimodal hashes, cache salt), or None when
+    #: no block has any (decoders normalize a list of nils to None).
+    extra_keys: list[Any] | None = None
+    #: The engine's KV cache group (hybrid models publish one stream of blocks per group).
+    group_idx: int = 0
+    #: None: full attention (decoders map the wire's "full_attention" to None).
+    kv_cache_spec_kind: str | None = None
 
 
 class BlockRemoved(msgspec.Struct, frozen=True, tag=True, gc=False):
     block_hashes: list[EngineHash]
     tier: str = "GPU"
     medium: str | None = None
+    group_idx: int = 0
 
 
 class AllBlocksCleared(msgspec.Struct, frozen=True, tag=True, gc=False):

@@ -12,6 +12,24 @@ Owns (DESIGN §3):
 
 Engines whose page size differs from the router block size go through ``indexer.rechunk``.
 Single writer: only the subscriber task calls the mutating methods; nothing here awaits.
+
+What the engine can really reuse (issue 12):
+
+- duplicate stores: an engine may store one hash twice (vLLM recomputes a fully cached prompt's
+  last page into a second physical block) and remove it once. Stores are counted per (worker,
+  engine hash, tier); the block leaves a tier when its count reaches 0.
+- page size: a worker whose events carry ``block_size`` P (its page) can reuse only whole pages,
+  so its matched prefix is rounded down to a multiple of P tokens (``_round_pages``).
+- extra keys: a block whose ``extra_keys`` (after the LoRA key) are not empty chains from
+  ``hashing.extra_seed`` — another namespace for salted and multimodal blocks (``indexer.hashing``).
+- hybrid models: presence follows the groups whose ``kv_cache_spec_kind`` keeps the whole prefix
+  (``events.FULL_PREFIX_KINDS``). Events of partial-prefix groups (sliding window, Mamba) are
+  counted and otherwise ignored — also the removals of a ``group_idx`` once seen with such a kind.
+  The simpler rule over-credits only when a partial group evicted blocks the full group kept; a
+  model with partial groups only is never credited (no false positive).
+- unknown ``medium`` names: at most ``MAX_TIERS`` tier ids in all; per worker at most
+  ``MAX_UNKNOWN_MEDIUMS`` names are counted by name (the rest as one ``OTHER`` count), and the
+  counts go with the worker.
 """
 
 from __future__ import annotations
@@ -27,6 +45,7 @@ import msgspec
 
 from indexer.events import (
     CANONICAL_TIERS,
+    FULL_PREFIX_KINDS,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -34,7 +53,13 @@ from indexer.events import (
     Event,
     EventBatch,
 )
-from indexer.hashing import chain_hashes, namespace_seed
+from indexer.hashing import (
+    chain_hashes,
+    chain_hashes_extra,
+    namespace_keys,
+    namespace_seed,
+    request_seed,
+)
 from indexer.rechunk import RechunkTable
 
 __all__ = [
@@ -56,6 +81,8 @@ SGLANG_ROOT_PARENT = 5740354900026072187
 #: Bits of a per-(block, worker) tier mask kept in a packed table value; tier i is bit i.
 _TIER_BITS = 16
 _MAX_TIERS = _TIER_BITS
+#: Distinct unknown ``medium`` names counted by name per worker; more are counted as ``OTHER``.
+MAX_UNKNOWN_MEDIUMS = 32
 
 
 class IndexError_(Exception):
@@ -88,15 +115,24 @@ class WorkerIndexStats:
     orphans: int = 0
     orphan_blocks: int = 0
     unknown_removals: int = 0
+    #: Stores of a hash already held on that tier (counted; one removal each before it leaves).
+    duplicate_stores: int = 0
+    #: Events of partial-prefix KV cache groups (sliding window, Mamba): counted, not applied.
+    partial_group_events: int = 0
+    #: Events with an unknown ``medium``, by name (bounded, see ``MAX_UNKNOWN_MEDIUMS``).
+    unknown_mediums: dict[str, int] = field(default_factory=dict)
 
 
 class _Worker:
     __slots__ = (
         "bit",
+        "dups",
         "emask",
         "key",
         "model",
         "multi",
+        "page",
+        "partial_groups",
         "rechunk",
         "slot",
         "stats",
@@ -121,6 +157,12 @@ class _Worker:
         self.rechunk: RechunkTable | None = None
         self.tier_counts: list[int] = [0] * _MAX_TIERS
         self.stats = WorkerIndexStats()
+        #: engine hash -> {tier: stores beyond the first}, for hashes stored more than once
+        self.dups: dict[EngineHash, dict[int, int]] = {}
+        #: the engine's page size in tokens when it differs from the router block size, else 0
+        self.page = 0
+        #: group_idx values seen with a partial-prefix kv_cache_spec_kind
+        self.partial_groups: set[int] = set()
 
 
 _ZERO = WorkerMatch(0, {})
@@ -138,6 +180,8 @@ class PrefixIndex:
         self._free_slots: list[int] = []
         self._all_bits = 0
         self._keys_cache: list[WorkerKey] | None = None
+        #: slot -> engine page size, for workers whose credit rounds down to whole pages
+        self._paged: dict[int, int] = {}
         self._present: dict[int, int] = _new_present()
         # slots holding a block on no GPU tier at all, and per lower tier the slots holding it
         self._nogpu: dict[int, int] = {}
@@ -172,6 +216,7 @@ class PrefixIndex:
         for key in keys:
             w = self._workers.pop(key)
             self._drop_entries(w)
+            self._paged.pop(w.slot, None)
             self._by_slot[w.slot] = None
             self._free_slots.append(w.slot)
             self._all_bits &= ~w.bit
@@ -223,10 +268,17 @@ class PrefixIndex:
             w = self._workers[(worker_id, rank)]
         bs = self.block_size
         for ev in batch.events:
-            # The common shapes (a GPU store chaining from a known parent, a GPU removal) go
-            # straight to the C hot paths; everything else, and any remainder, to _apply.
+            # The common shapes (a plain GPU store chaining from a known parent, a GPU removal
+            # of blocks stored once) go straight to the C hot paths; everything else, and any
+            # remainder, to the general path.
             if type(ev) is BlockStored:
-                if ev.tier == "GPU" and ev.block_size == bs and not w.multi:
+                if (
+                    ev.tier == "GPU"
+                    and ev.block_size == bs
+                    and ev.extra_keys is None
+                    and ev.kv_cache_spec_kind is None
+                    and not w.multi
+                ):
                     hashes = ev.block_hashes
                     parent = ev.parent_block_hash
                     if parent is None:
@@ -238,10 +290,17 @@ class PrefixIndex:
                             w.table, self._present, w.bit, hashes, 0, ev.token_ids, bs, ph
                         )
                         w.tier_counts[0] += done
-                        if done == len(hashes):
-                            w.stats.stored_events += 1
-                            continue
-            elif type(ev) is BlockRemoved and ev.tier == "GPU" and not w.multi:
+                        w.stats.stored_events += 1
+                        if done < len(hashes):
+                            self._store(w, ev, done)
+                        continue
+            elif (
+                type(ev) is BlockRemoved
+                and ev.tier == "GPU"
+                and not w.multi
+                and not w.partial_groups
+                and (not w.dups or w.dups.keys().isdisjoint(ev.block_hashes))
+            ):
                 hashes = ev.block_hashes
                 if type(hashes) is list:
                     w.stats.removed_events += 1
@@ -256,25 +315,45 @@ class PrefixIndex:
 
     def _apply(self, w: _Worker, ev: Event) -> None:
         if type(ev) is BlockStored:
+            if ev.kv_cache_spec_kind not in FULL_PREFIX_KINDS:
+                w.partial_groups.add(ev.group_idx)
+                w.stats.partial_group_events += 1
+                return
             w.stats.stored_events += 1
             if ev.block_size == self.block_size:
                 self._store(w, ev)
             else:
+                self._set_page(w, ev.block_size)
                 self._rechunk_table(w).store(ev)
         elif type(ev) is BlockRemoved:
+            if ev.group_idx in w.partial_groups:
+                w.stats.partial_group_events += 1
+                return
             w.stats.removed_events += 1
             hashes = ev.block_hashes
             self._remove(
-                w, hashes if type(hashes) is list else list(hashes), self._tier_id(ev.tier)
+                w, hashes if type(hashes) is list else list(hashes), self._tier_id(ev.tier, w)
             )
         elif type(ev) is AllBlocksCleared:
             self._drop_entries(w)
             w.stats.cleared += 1
 
+    def _set_page(self, w: _Worker, page: int) -> None:
+        """Record the engine's page size: credit on this worker is rounded down to whole pages."""
+        if page == w.page:
+            return
+        w.page = page
+        bs = self.block_size
+        if page > bs or bs % page:
+            self._paged[w.slot] = page
+        else:
+            self._paged.pop(w.slot, None)
+
     def _remove(self, w: _Worker, hashes: list[EngineHash], t: int) -> None:
         i, n = 0, len(hashes)
+        dups = w.dups
         while i < n:
-            if t == 0 and not w.multi:
+            if t == 0 and not w.multi and not dups:
                 # Hot path: GPU-only blocks leave; only the presence map changes.
                 stop = _remove_gpu(w.table, w.emask, self._present, ~w.bit, hashes, i)
                 w.tier_counts[0] -= stop - i
@@ -282,7 +361,16 @@ class PrefixIndex:
                 if i == n:
                     break
             e = hashes[i]
-            if e in w.table:
+            d = dups.get(e) if dups else None
+            if d is not None and t in d:
+                # stored more than once on this tier: one copy goes, the block stays
+                if d[t] > 1:
+                    d[t] -= 1
+                else:
+                    del d[t]
+                    if not d:
+                        del dups[e]
+            elif e in w.table:
                 self._remove_tier(w, e, t)
             elif w.rechunk is not None and e in w.rechunk.blocks:
                 w.rechunk.remove(e, t)
@@ -290,18 +378,33 @@ class PrefixIndex:
                 w.stats.unknown_removals += 1
             i += 1
 
-    def _tier_id(self, name: str) -> int:
+    def _dup(self, w: _Worker, e: EngineHash, t: int) -> None:
+        """Another store of ``e`` on tier ``t``, which already holds it."""
+        d = w.dups.get(e)
+        if d is None:
+            d = w.dups[e] = {}
+        d[t] = d.get(t, 0) + 1
+        w.stats.duplicate_stores += 1
+
+    def _tier_id(self, name: str, w: _Worker | None = None) -> int:
         t = self._tier_ids.get(name)
         if t is None:
-            # New unknown medium: give it its own tier while bits remain, then share the last.
+            # New unknown medium: its own tier while bits remain, then the last one shared, and
+            # then the name is not kept (a publisher may send any number of names).
             t = len(self._tier_names)
             if t >= _MAX_TIERS:
                 t = _MAX_TIERS - 1
             else:
                 self._tier_names.append(name)
-            self._tier_ids[name] = t
+                self._tier_ids[name] = t
         if t >= len(CANONICAL_TIERS):
-            self.unknown_tiers[name] = self.unknown_tiers.get(name, 0) + 1
+            if name in self.unknown_tiers or len(self.unknown_tiers) < _MAX_TIERS:
+                self.unknown_tiers[name] = self.unknown_tiers.get(name, 0) + 1
+            if w is not None:
+                um = w.stats.unknown_mediums
+                if name not in um and len(um) >= MAX_UNKNOWN_MEDIUMS:
+                    name = "OTHER"
+                um[name] = um.get(name, 0) + 1
         return t
 
     def _seed(self, w: _Worker, lora_name: str | None, lora_id: int | None) -> int:
@@ -309,13 +412,24 @@ class PrefixIndex:
             lora_name = f"lora-id:{lora_id}"
         return namespace_seed(w.model, lora_name)
 
-    def _store(self, w: _Worker, ev: BlockStored) -> None:
-        t = self._tier_id(ev.tier)
+    def _store(self, w: _Worker, ev: BlockStored, start: int = 0) -> None:
+        """Apply a store from block ``start`` on (the ones before it were just stored by the
+        caller's hot path)."""
+        t = self._tier_id(ev.tier, w)
         bit = 1 << t
         table = w.table
         hashes = ev.block_hashes
+        extras = None
+        if ev.extra_keys is not None:
+            ek = ev.extra_keys
+            extras = [
+                namespace_keys(ek[j] if j < len(ek) else None, ev.lora_name, ev.lora_id)
+                for j in range(len(hashes))
+            ]
+            if not any(extras):
+                extras = None
         # Blocks this worker already announced (a lower-tier copy, a load-back): add the tier.
-        first_new = 0
+        first_new = start
         while first_new < len(hashes) and hashes[first_new] in table:
             self._add_tier(w, hashes[first_new], bit, t)
             first_new += 1
@@ -350,7 +464,7 @@ class PrefixIndex:
             w.stats.orphans += 1
             w.stats.orphan_blocks += len(hashes) - n_full
         i = first_new
-        if t == 0 and not w.multi:
+        if t == 0 and not w.multi and extras is None:
             # Hot path (a GPU store on a worker with no colliding router blocks): only the
             # presence map changes. Stops at the first block that needs the general path.
             if type(hashes) is not list:
@@ -362,7 +476,10 @@ class PrefixIndex:
             if i > first_new:
                 parent_h = table[hashes[i - 1]]
                 tokens = tokens[(i - first_new) * bs :]
-        router = chain_hashes(tokens, bs, parent_h)
+        if extras is None:
+            router = chain_hashes(tokens, bs, parent_h)
+        else:
+            router = chain_hashes_extra(tokens, bs, parent_h, extras[i:])
         emask = w.emask
         for e, h in zip(hashes[i:n_full], router):
             if e in table:  # the same engine hash twice in one event, or a re-store
@@ -377,6 +494,7 @@ class PrefixIndex:
     def _add_tier(self, w: _Worker, e: EngineHash, bit: int, t: int) -> None:
         own = w.emask.get(e, 1)
         if own & bit:
+            self._dup(w, e, t)
             return
         own |= bit
         w.emask[e] = own
@@ -464,6 +582,7 @@ class PrefixIndex:
         w.table = {}
         w.emask = {}
         w.multi = {}
+        w.dups = {}
         w.rechunk = None
         w.tier_counts = [0] * _MAX_TIERS
 
@@ -509,9 +628,14 @@ class PrefixIndex:
     # ---------------------------------------------------------------- queries
 
     def request_hashes(
-        self, token_ids: Sequence[int], *, model: str = "", lora_name: str | None = None
+        self,
+        token_ids: Sequence[int],
+        *,
+        model: str = "",
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
     ) -> list[int]:
-        return chain_hashes(token_ids, self.block_size, namespace_seed(model, lora_name))
+        return chain_hashes(token_ids, self.block_size, request_seed(model, lora_name, cache_salt))
 
     def match(
         self,
@@ -519,6 +643,53 @@ class PrefixIndex:
         *,
         overlay: Mapping[int, int] | None = None,
         pools: Sequence[Iterable[WorkerKey]] = (),
+    ) -> MatchResult:
+        """Per worker: matched prefix blocks, and how many sit on each (fastest) tier; on a
+        worker with engine pages larger than a router block, whole pages only."""
+        res = self._match(hashes, overlay, pools)
+        return self._round_pages(res) if self._paged else res
+
+    def _round_pages(self, res: MatchResult) -> MatchResult:
+        """Round each paged worker's match down to whole engine pages: the engine reuses no
+        partial page. The blocks taken off are the prefix's tail: predicted ones first (they lie
+        past the held prefix), then the slowest tiers."""
+        bs = self.block_size
+        workers = dict(res.workers)
+        for slot, page in self._paged.items():
+            w = self._by_slot[slot]
+            if w is None:
+                continue
+            wm = workers.get(w.key)
+            if wm is None or not wm.matched_blocks:
+                continue
+            m = wm.matched_blocks
+            keep = (m * bs // page) * page // bs
+            if keep == m:
+                continue
+            cut = m - keep
+            pred = wm.predicted_blocks
+            take = min(cut, pred)
+            pred -= take
+            cut -= take
+            by_tier = dict(wm.by_tier)
+            for name in sorted(by_tier, key=self._tier_order, reverse=True):
+                if not cut:
+                    break
+                take = min(cut, by_tier[name])
+                by_tier[name] -= take
+                cut -= take
+            workers[w.key] = WorkerMatch(keep, by_tier, pred)
+        return MatchResult(res.request_blocks, workers)
+
+    def _tier_order(self, name: str) -> int:
+        t = self._tier_ids.get(name)
+        return _MAX_TIERS if t is None else t
+
+    def _match(
+        self,
+        hashes: Sequence[int],
+        overlay: Mapping[int, int] | None,
+        pools: Sequence[Iterable[WorkerKey]],
     ) -> MatchResult:
         """Per worker: matched prefix blocks, and how many sit on each (fastest) tier.
 

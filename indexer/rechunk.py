@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from indexer.events import BlockStored, EngineHash
-from indexer.hashing import chain_hashes
+from indexer.hashing import chain_hashes, extra_seed, namespace_keys
 
 if TYPE_CHECKING:  # pragma: no cover
     from indexer.index import PrefixIndex, _Worker
@@ -49,18 +49,22 @@ class RechunkTable:
         from indexer.index import SGLANG_ROOT_PARENT
 
         index, w = self.index, self.worker
-        t = index._tier_id(ev.tier)
+        t = index._tier_id(ev.tier, w)
         bit = 1 << t
         p = ev.block_size
         if p <= 0:
             w.stats.orphans += 1
             return
         toks = ev.token_ids
+        ek = ev.extra_keys
         parent: EngineHash | None = ev.parent_block_hash
         for i, e in enumerate(ev.block_hashes):
             eb = self.blocks.get(e)
             if eb is not None:
-                self._add_tier(eb, bit, t)
+                if eb.tiers & bit:
+                    index._dup(w, e, t)
+                else:
+                    self._add_tier(eb, bit, t)
                 parent = e
                 continue
             tail: tuple[int, ...]
@@ -79,6 +83,10 @@ class RechunkTable:
                 w.stats.orphans += 1
                 w.stats.orphan_blocks += len(ev.block_hashes) - i
                 return
+            if ek is not None:
+                keys = namespace_keys(ek[i] if i < len(ek) else None, ev.lora_name, ev.lora_id)
+                if keys:
+                    state = extra_seed(state, keys)  # another namespace from here on (hashing)
             buf = [*tail, *block_toks]
             bs = index.block_size
             new = chain_hashes(buf, bs, state)

@@ -47,6 +47,10 @@ class _WorkerSnap(msgspec.Struct):
     cover: list[tuple[int, list[_EH]]] = []
     #: ``ts`` of the batch ``seq`` names (a new publisher process is told by another ts).
     ts: float | None = None
+    #: (engine hash, tier, stores beyond the first)
+    dups: list[tuple[_EH, int, int]] = []
+    page: int = 0
+    partial_groups: list[int] = []
 
 
 class _Snapshot(msgspec.Struct):
@@ -77,6 +81,9 @@ def write_snapshot(
             engine_hashes=list(w.table),
             router_hashes=list(w.table.values()),
             tiers=[w.emask.get(e, 1) for e in w.table],
+            dups=[(e, t, n) for e, d in w.dups.items() for t, n in d.items()],
+            page=w.page,
+            partial_groups=sorted(w.partial_groups),
         )
         rc = w.rechunk
         if rc is not None:
@@ -121,6 +128,11 @@ def read_snapshot(
         w = index._workers[key]
         if ws.seq is not None:
             seqs[key] = ResumePoint(ws.seq, ws.ts)
+        for e, t, n in ws.dups:
+            w.dups.setdefault(e, {})[t] = n
+        if ws.page:
+            index._set_page(w, ws.page)
+        w.partial_groups = set(ws.partial_groups)
         per_router: dict[int, dict] = {}
         for e, h, m in zip(ws.engine_hashes, ws.router_hashes, ws.tiers):
             w.table[e] = h
