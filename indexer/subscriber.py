@@ -59,6 +59,7 @@ class Subscriber(StreamLogic):
         clock: Callable[[], float] = time.time,
         rcvhwm: int = 100_000,
         max_buffered: int = 100_000,
+        max_message_bytes: int = 64 << 20,
     ) -> None:
         self._index = index
         self._own_ctx = context is None
@@ -67,6 +68,9 @@ class Subscriber(StreamLogic):
         self._clock = clock
         self._rcvhwm = rcvhwm
         self._max_buffered = max_buffered
+        #: ZMQ_MAXMSGSIZE of every socket facing a publisher: libzmq drops the connection of a
+        #: peer that sends more, before buffering it (a peer controls that size).
+        self._max_message_bytes = max_message_bytes
         self._workers: dict[str, tuple[WorkerEndpoint, list[WorkerRank]]] = {}
         self._restored: dict[tuple[str, int], int] = {}
         self._ready: dict[Watch, None] = {}
@@ -251,7 +255,10 @@ class Subscriber(StreamLogic):
         if entry is not None:
             for r in entry[1]:
                 self._close_rank(r)
-            self._index.remove_worker(worker_id)
+        # also a worker known only from a restored snapshot
+        self._index.remove_worker(worker_id)
+        for key in [k for k in self._restored if k[0] == worker_id]:
+            del self._restored[key]
 
     # ------------------------------------------------------------------ sockets
 
@@ -261,6 +268,7 @@ class Subscriber(StreamLogic):
         r.sub = Watch(sub, self._drain_sub, r)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, self._rcvhwm)
+        sub.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         addr = f"inproc://kvrouter-subscriber-monitor-{id(self):x}-{next(self._mon_ids)}"
         sub.monitor(addr, _MON_EVENTS)

@@ -60,6 +60,7 @@ class StreamLogic:
     _clock: Callable[[], float]
     _replay_timeout: float
     _max_buffered: int
+    _max_message_bytes: int
     _replaying: set[WorkerRank]
     _workers: dict[str, tuple[WorkerEndpoint, list[WorkerRank]]]
     _restored: dict[tuple[str, int], int]
@@ -289,6 +290,7 @@ class StreamLogic:
             dealer: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER, socket_class=zmq.Socket)
             r.dealer = Watch(dealer, self._drain_replay, r)
             dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
             dealer.connect(r.replay_ep)
             asyncio.get_running_loop().add_reader(r.dealer.fd, self._on_fd, r.dealer)
             dealer.send_multipart(encode_replay_request(rp.start), _NOBLOCK)
@@ -372,6 +374,21 @@ class StreamLogic:
             if r.replay_ep is not None:
                 self._resume(r, join=False)
 
+    def _redial(self, r: WorkerRank) -> None:
+        """Connect again ourselves: libzmq does not reconnect after a protocol error, and a
+        message over ZMQ_MAXMSGSIZE is one; a fresh connect retries like its own reconnect."""
+        if r.sub is None or r.sub.closed:
+            return
+        sock = r.sub.sock
+        try:
+            sock.disconnect(r.events_ep)
+        except zmq.ZMQError:
+            pass  # the session is gone already (a protocol error terminates it)
+        try:
+            sock.connect(r.events_ep)
+        except zmq.ZMQError as exc:
+            self._log_limited(r, logging.WARNING, "reconnect failed: %r", exc)
+
     def _drain_mon(self, r: WorkerRank) -> bool:
         sock = r.mon.sock  # type: ignore[union-attr]
         for _ in range(_DRAIN_CAP):
@@ -386,4 +403,5 @@ class StreamLogic:
                 self._on_connected(r)
             elif event == zmq.EVENT_DISCONNECTED:
                 r.stats.connected = False
+                self._redial(r)
         return True

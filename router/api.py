@@ -43,6 +43,8 @@ class RouteRequest(msgspec.Struct):
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     lora_name: str | None = None
+    #: vLLM's per-request cache isolation: salted blocks match only requests with the same salt
+    cache_salt: str | None = None
     account: bool = False
 
 
@@ -55,6 +57,7 @@ class CompletionBody(msgspec.Struct):
     prompt: Any = None
     stream: bool = False
     lora_name: str | None = None
+    cache_salt: str | None = None
 
 
 class ChatBody(msgspec.Struct):
@@ -62,6 +65,7 @@ class ChatBody(msgspec.Struct):
     messages: list[dict[str, Any]] | None = None
     stream: bool = False
     lora_name: str | None = None
+    cache_salt: str | None = None
 
 
 class WorkerIn(msgspec.Struct, forbid_unknown_fields=True):

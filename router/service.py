@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 import httpx
 from prometheus_client import CollectorRegistry
 
-from indexer.hashing import namespace_seed
+from indexer.hashing import request_seed
 from indexer.index import IndexError_, PrefixIndex, WorkerKey, WorkerMatch
 from indexer.subscriber import Subscriber, WorkerEndpoint
 from router.api import JsonTokens
@@ -102,7 +102,9 @@ class RouterState:
         )
         self.index, seqs = load_index(settings)
         self.subscriber = Subscriber(
-            self.index, replay_timeout=settings.subscriber.replay_timeout_s
+            self.index,
+            replay_timeout=settings.subscriber.replay_timeout_s,
+            max_message_bytes=settings.subscriber.max_message_bytes,
         )
         if seqs:  # resume each worker rank after its snapshotted seq (replay closes the gap)
             self.subscriber.restore_seqs(seqs)
@@ -136,8 +138,7 @@ class RouterState:
     async def add_worker(self, cfg: WorkerConfig, *, dynamic: bool = False) -> WorkerState:
         if cfg.id in self.registry:
             raise Conflict(f"worker {cfg.id!r} is already registered")
-        for r in range(cfg.dp_ranks):
-            self.index.add_worker(cfg.id, r, model=cfg.model)
+        # the index learns the worker from the subscriber task, its only writer
         st = self.registry.add(cfg, dynamic=dynamic)
         ep = WorkerEndpoint(
             worker_id=cfg.id,
@@ -150,7 +151,6 @@ class RouterState:
             await self.subscriber.add_worker(ep)
         except Exception as e:
             self.registry.remove(cfg.id)
-            self.index.remove_worker(cfg.id)
             raise BadRequest(f"cannot subscribe to worker {cfg.id!r}: {e}") from e
         return st
 
@@ -164,8 +164,7 @@ class RouterState:
             except KeyError:
                 pass
         self.registry.remove(worker_id)
-        await self.subscriber.remove_worker(worker_id)
-        self.index.remove_worker(worker_id)
+        await self.subscriber.remove_worker(worker_id)  # and, on its task, from the index
         self.accounts.drop_worker(worker_id)
         self.load.drop_worker(worker_id)
         self.metrics.forget_worker(worker_id)
@@ -204,6 +203,7 @@ class RouterState:
         token_ids: Sequence[int] | JsonTokens,
         model: str | None = None,
         lora_name: str | None = None,
+        cache_salt: str | None = None,
     ) -> Decision:
         """Score every rank that may serve ``model``. Raises :class:`NotFound` for an unknown
         model; an empty ``order`` means no healthy worker (the caller answers 503)."""
@@ -224,10 +224,12 @@ class RouterState:
             if entry is None:
                 try:
                     if isinstance(token_ids, JsonTokens):
-                        seed = namespace_seed(ns, lora_name)
+                        seed = request_seed(ns, lora_name, cache_salt)
                         hashes = token_ids.hashes(index.block_size, seed)
                     else:
-                        hashes = index.request_hashes(token_ids, model=ns, lora_name=lora_name)
+                        hashes = index.request_hashes(
+                            token_ids, model=ns, lora_name=lora_name, cache_salt=cache_salt
+                        )
                 except (TypeError, OverflowError, ValueError) as e:
                     raise BadRequest(f"token_ids: {e}") from e
                 # a request that meets no prediction keeps the index's fast path

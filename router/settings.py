@@ -166,9 +166,11 @@ class RouteSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 class SubscriberSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     replay_timeout_s: float = 2.0
+    max_message_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         _check(self.replay_timeout_s > 0, "replay_timeout_s", "must be > 0")
+        _check(self.max_message_bytes > 0, "max_message_bytes", "must be > 0")
 
 
 class SnapshotSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
