@@ -247,6 +247,7 @@ def create_app(settings: Settings) -> FastAPI:
                     await state.subscriber.remove_worker(key[0])
             tasks.append(asyncio.create_task(state.registry.run(state.upstream), name="health"))
             tasks.append(asyncio.create_task(_housekeeping(state), name="housekeeping"))
+            tasks.append(asyncio.create_task(state.check_tokenizer(), name="tokenizer-check"))
             if settings.snapshot.path:
                 tasks.append(asyncio.create_task(_snapshots(state), name="snapshots"))
             app.state.kv = state

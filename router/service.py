@@ -33,7 +33,7 @@ from router.predict import PredictedBlocks
 from router.registry import Registry, WorkerState
 from router.scoring import Candidate, ScoreWeights, rank
 from router.settings import Settings, WorkerConfig
-from router.tokenize import Tokenizer, make_tokenizer
+from router.tokenize import Tokenizer, byte_tokenizer_warning, make_tokenizer
 from router.upstream import UpstreamPool
 
 __all__ = ["Decision", "RouterState"]
@@ -168,6 +168,20 @@ class RouterState:
         self.accounts.drop_worker(worker_id)
         self.load.drop_worker(worker_id)
         self.metrics.forget_worker(worker_id)
+
+    async def check_tokenizer(self) -> None:
+        """Warn once per worker whose engine has its own vocabulary while text is tokenized as
+        bytes (see ``router.tokenize.byte_tokenizer_warning``). Runs once, at start."""
+        if self.settings.tokenizer != "byte":
+            return
+        for st in list(self.registry.workers.values()):
+            try:
+                resp = await self.client.get(st.url.rstrip("/") + "/v1/models")
+            except httpx.HTTPError:
+                continue
+            msg = byte_tokenizer_warning("byte", st.id, resp.content)
+            if msg is not None:
+                log.warning("%s", msg)
 
     def ready(self) -> tuple[bool, list[str]]:
         waiting = [w for w in self.registry.workers if not self.subscriber.worker_ready(w)]
