@@ -316,8 +316,7 @@ class StreamLogic:
             except Exception as exc:
                 self._malformed(r, exc)
                 continue
-            if reply.is_end:
-                r.stats.last_message_at = self._clock()
+            if reply.is_end:  # not an event batch: freshness stays as it was
                 if rp.verify and rp.lo is None:
                     self._new_process(r, rp, f"replay holds nothing from applied seq {r.last} on")
                     return False
