@@ -349,6 +349,8 @@ class Subscriber(StreamLogic):
                         continue
                     if more and not w.closed:
                         self._ready[w] = None
+                if self._index.max_entries:
+                    self._index.enforce_cap()
                 await asyncio.sleep(0)
             except asyncio.CancelledError:
                 raise

@@ -101,6 +101,7 @@ class RouterState:
             max_idle_per_origin=p.max_connections,
         )
         self.index, seqs = load_index(settings)
+        self.index.set_cap(settings.max_index_entries)
         self.subscriber = Subscriber(
             self.index,
             replay_timeout=settings.subscriber.replay_timeout_s,

@@ -185,6 +185,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     host: str = "127.0.0.1"
     port: int = 8000
     block_size: int = 16
+    max_index_entries: int = 0
     admin_key: str | None = None
     tokenizer: str = "byte"
     log_level: str = "info"
@@ -199,6 +200,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, "port", "must be between 0 and 65535")
         _check(1 <= self.block_size <= 4096, "block_size", "must be between 1 and 4096")
+        _check(self.max_index_entries >= 0, "max_index_entries", "must be >= 0")
         _check(
             self.tokenizer in ("byte", "worker") or self.tokenizer.startswith("hf:"),
             "tokenizer",

@@ -5,6 +5,7 @@
 - ``state``: ``IndexState``, the only owner of worker tables, the tier registry and the masks;
 - ``apply``: events -> state, one entry point ``apply_batch`` (the subscriber task only);
 - ``match``: request -> per-worker matched prefix, one entry point ``match`` (read-only);
+- ``evict``: the optional cap (least recently matched first), swept by the writer;
 - ``native``: the C/Python façade of the hot loops.
 
 Engines whose page size differs from the router block size go through ``indexer.rechunk``;
@@ -17,7 +18,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from indexer.index.apply import Applier
+from indexer.index.evict import Evictor
 from indexer.index.match import Matcher
 from indexer.index.snapshot import read_snapshot, write_snapshot
 from indexer.index.types import (
@@ -44,7 +45,7 @@ __all__ = [
 ]
 
 
-class PrefixIndex(Applier, Matcher):
+class PrefixIndex(Evictor, Matcher):
     """Global prefix index over every worker rank. See the package docstring."""
 
     def snapshot(self, path: str | os.PathLike[str], seqs: Mapping[WorkerKey, int]) -> None:

@@ -43,6 +43,8 @@ class Matcher(IndexState):
     ) -> MatchResult:
         """Per worker: matched prefix blocks, and how many sit on each (fastest) tier; on a
         worker with engine pages larger than a router block, whole pages only."""
+        if self._recent is not None:
+            self._recent.append(hashes)
         res = self._match(hashes, overlay, pools)
         return self._round_pages(res) if self._paged else res
 

@@ -15,6 +15,7 @@ global masks (router hash -> slots holding it, in total and per lower tier).
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -54,6 +55,14 @@ class IndexState:
         self._tier_ids: dict[str, int] = {n: i for i, n in enumerate(CANONICAL_TIERS)}
         #: Tiers outside the canonical four that were seen (scored like EXTERNAL).
         self.unknown_tiers: dict[str, int] = {}
+        #: Optional cap on (engine block, worker) entries, enforced by ``evict.Evictor``; 0: none.
+        self.max_entries = 0
+        #: Requests matched since the last eviction sweep (their hashes), only with a cap: the
+        #: recency the sweep folds in. A side record, not index state: ``match`` stays a read.
+        self._recent: deque[Sequence[int]] | None = None
+        #: Router hashes matched since the eviction hand last passed them (see ``evict``).
+        self._marked: set[int] = set()
+        self.evicted_entries = 0
 
     def add_worker(self, worker_id: str, dp_rank: int = 0, *, model: str = "") -> None:
         key = (worker_id, dp_rank)

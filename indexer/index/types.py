@@ -79,6 +79,8 @@ class WorkerIndexStats:
     duplicate_stores: int = 0
     #: Events of partial-prefix KV cache groups (sliding window, Mamba): counted, not applied.
     partial_group_events: int = 0
+    #: Entries dropped by the index cap (least recently matched first).
+    evicted_entries: int = 0
     #: Events with an unknown ``medium``, by name (bounded, see ``MAX_UNKNOWN_MEDIUMS``).
     unknown_mediums: dict[str, int] = field(default_factory=dict)
 
