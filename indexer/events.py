@@ -13,6 +13,7 @@ import msgspec
 
 __all__ = [
     "CANONICAL_TIERS",
+    "DEFAULT_TIER_WEIGHTS",
     "FULL_PREFIX_KINDS",
     "TIER_ALIASES",
     "AllBlocksCleared",
@@ -29,6 +30,15 @@ EngineHash = int | bytes
 
 #: Fastest first. Scoring weights and "a block counts at its fastest tier" follow this order.
 CANONICAL_TIERS: tuple[str, ...] = ("GPU", "CPU_PINNED", "DISK", "EXTERNAL")
+
+#: Default scoring weight of a block per tier (a matched block saves that fraction of its
+#: prefill); unknown tiers are weighted like EXTERNAL.
+DEFAULT_TIER_WEIGHTS: dict[str, float] = {
+    "GPU": 1.0,
+    "CPU_PINNED": 0.8,
+    "DISK": 0.5,
+    "EXTERNAL": 0.3,
+}
 
 #: ``kv_cache_spec_kind`` values whose group keeps every block of a prefix. Blocks of other
 #: groups (sliding window, chunked local attention, Mamba state: partial prefixes) do not make a

@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 import yaml
 
+from indexer.events import DEFAULT_TIER_WEIGHTS
 from router.errors import ConfigError
 
 __all__ = [
@@ -33,12 +34,6 @@ __all__ = [
     "parse_worker_spec",
 ]
 
-DEFAULT_TIER_WEIGHTS: dict[str, float] = {
-    "GPU": 1.0,
-    "CPU_PINNED": 0.8,
-    "DISK": 0.5,
-    "EXTERNAL": 0.3,
-}
 
 ENV_PREFIX = "KVROUTER_"
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from itertools import groupby
 
 from indexer.events import EngineHash
-from indexer.hashing import chain_hashes
+from indexer.hashing import HAVE_C_HASH, chain_hashes
 
 __all__ = [
     "BACKENDS",
@@ -120,6 +120,7 @@ else:
 
 #: Concern -> "c" or "python": what this process runs.
 BACKENDS: dict[str, str] = {
+    "chain_hash": "c" if HAVE_C_HASH else "python",
     "store_remove": "python" if store_gpu is _py_store_gpu else "c",
     "walk": "python" if walk_lengths is _py_walk_lengths else "c",
     "presence_table": "python" if MaskMap is None else "c",
