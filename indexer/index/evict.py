@@ -20,8 +20,9 @@ from indexer.index.apply import Applier
 
 __all__ = ["Evictor"]
 
-#: Requests remembered between sweeps; older ones count as not matched.
-RECENT_REQUESTS = 4096
+#: Requests remembered between two rounds of the writer (each round folds them into marks);
+#: small, as each holds its hash list.
+RECENT_REQUESTS = 256
 
 
 class Evictor(Applier):
@@ -36,13 +37,10 @@ class Evictor(Applier):
         self._marked.clear()
 
     def enforce_cap(self) -> int:
-        """Evict down to 90 % of the cap when over it; returns the entries evicted."""
+        """Fold the requests matched since the last call into marks, then, when over the cap,
+        evict down to 90 % of it; returns the entries evicted. The writer calls it per round."""
         cap = self.max_entries
         if not cap:
-            return 0
-        workers = [w for w in self._workers.values() if w.table]
-        n = sum(len(w.table) for w in workers)
-        if n <= cap:
             return 0
         marked = self._marked
         present = self._present
@@ -54,6 +52,10 @@ class Evictor(Applier):
                 marked.add(h)
         if len(marked) > cap:  # marks of blocks long gone: start over rather than grow
             marked.clear()
+        workers = [w for w in self._workers.values() if w.table]
+        n = sum(len(w.table) for w in workers)
+        if n <= cap:
+            return 0
         target = cap - cap // 10
         evicted = 0
         chances = n  # second chances in this sweep; then the oldest go regardless
