@@ -26,7 +26,6 @@ __all__ = [
     "chain_hashes_extra",
     "chain_hashes_json",
     "extra_seed",
-    "json_array_span",
     "namespace_keys",
     "namespace_seed",
     "py_chain_hashes",
@@ -71,15 +70,12 @@ def py_chain_hashes(token_ids: Sequence[int], block_size: int, parent: int) -> l
 
 try:
     from indexer._chash import chain_hashes as _c_chain_hashes
-    from indexer._chash import chain_hashes_json, json_array_span
+    from indexer._chash import chain_hashes_json
 except ImportError:  # pragma: no cover - exercised only where no compiler was available
     _c_chain_hashes = None
     #: ``chain_hashes_json(json_array_bytes, block_size, parent) -> (hashes, n_tokens) | None``:
     #: hashes a JSON token array without one Python int per token; None where not built.
     chain_hashes_json = None
-    #: ``json_array_span(json_object_bytes, key) -> (start, end) | None``: where the top-level
-    #: ``key``'s array sits in a JSON object, so it can be hashed in place; None where not built.
-    json_array_span = None
 
 #: ``chain_hashes(token_ids, block_size, parent) -> list[int]``, C when built, else Python.
 chain_hashes = _c_chain_hashes if _c_chain_hashes is not None else py_chain_hashes

@@ -15,9 +15,13 @@ from starlette.requests import Request
 
 from indexer.hashing import chain_hashes
 from indexer.hashing import chain_hashes_json as _hash_json
-from indexer.hashing import json_array_span as _array_span
 from router.errors import BadRequest, PayloadTooLarge, UnprocessableEntity
 from router.settings import describe_validation_error
+
+try:  # the /route body scanner (router/_native.c); without it the whole body is decoded
+    from router._native import json_array_span as _array_span
+except ImportError:  # pragma: no cover - only where the extension could not be built
+    _array_span = None
 
 __all__ = [
     "CandidateOut",
