@@ -222,3 +222,23 @@ class WorkerRank:
         self.next_log = 0.0
         #: clear_worker calls made by the subscriber (the index counts them with AllBlocksCleared).
         self.clears = 0
+
+    def refreshed_stats(self, index: Any) -> WorkerStats:
+        """``stats`` with the seq state and the index's counters of this rank brought up to date
+        (``index``: the ``PrefixIndex``)."""
+        st = self.stats
+        st.last_seq = self.last if self.last >= 0 else None
+        st.replaying = self.replay is not None
+        try:
+            ist = index.worker_stats(self.key)
+            st.blocks_by_tier = dict(ist.blocks_by_tier)
+            st.orphans = ist.orphans
+            # The index counts events as it applies them; clears it did for us are not events.
+            st.events_by_type = {
+                "BlockStored": ist.stored_events,
+                "BlockRemoved": ist.removed_events,
+                "AllBlocksCleared": max(0, ist.cleared - self.clears),
+            }
+        except Exception:  # the index owns that record; stats must never fail
+            pass
+        return st
