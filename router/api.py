@@ -15,9 +15,13 @@ from starlette.requests import Request
 
 from indexer.hashing import chain_hashes
 from indexer.hashing import chain_hashes_json as _hash_json
-from indexer.hashing import json_array_span as _array_span
 from router.errors import BadRequest, PayloadTooLarge, UnprocessableEntity
 from router.settings import describe_validation_error
+
+try:  # the /route body scanner (router/_native.c); without it the whole body is decoded
+    from router._native import json_array_span as _array_span
+except ImportError:  # pragma: no cover - only where the extension could not be built
+    _array_span = None
 
 __all__ = [
     "CandidateOut",
@@ -43,6 +47,8 @@ class RouteRequest(msgspec.Struct):
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     lora_name: str | None = None
+    #: vLLM's per-request cache isolation: salted blocks match only requests with the same salt
+    cache_salt: str | None = None
     account: bool = False
 
 
@@ -55,6 +61,7 @@ class CompletionBody(msgspec.Struct):
     prompt: Any = None
     stream: bool = False
     lora_name: str | None = None
+    cache_salt: str | None = None
 
 
 class ChatBody(msgspec.Struct):
@@ -62,6 +69,7 @@ class ChatBody(msgspec.Struct):
     messages: list[dict[str, Any]] | None = None
     stream: bool = False
     lora_name: str | None = None
+    cache_salt: str | None = None
 
 
 class WorkerIn(msgspec.Struct, forbid_unknown_fields=True):

@@ -249,12 +249,13 @@ def create_app(settings: Settings) -> FastAPI:
                 await state.add_worker(w)
             configured = {w.id for w in settings.workers}
             for key in state.index.workers():  # restored ranks of workers no longer configured
-                if key[0] not in configured:
-                    state.index.remove_worker(key[0])
+                if key[0] not in configured:  # (the subscriber task drops them: one writer)
+                    await state.subscriber.remove_worker(key[0])
             if discovery is not None:
                 tasks.append(asyncio.create_task(discovery.run(state), name="k8s-discovery"))
             tasks.append(asyncio.create_task(state.registry.run(state.upstream), name="health"))
             tasks.append(asyncio.create_task(_housekeeping(state), name="housekeeping"))
+            tasks.append(asyncio.create_task(state.check_tokenizer(), name="tokenizer-check"))
             if settings.snapshot.path:
                 tasks.append(asyncio.create_task(_snapshots(state), name="snapshots"))
             app.state.kv = state

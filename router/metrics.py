@@ -26,6 +26,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from indexer.index.native import BACKENDS as NATIVE_BACKENDS
+
 __all__ = ["RouterMetrics", "StateCollector", "WorkerSample"]
 
 _LATENCY_BUCKETS = (
@@ -72,8 +74,15 @@ _SUB_COUNTERS = (
     ("gaps", "sequence gaps detected"),
     ("replays", "replay requests sent"),
     ("replay_failures", "replays that could not close a gap (worker index dropped)"),
-    ("restarts", "publisher restarts detected (sequence went backwards)"),
+    ("restarts", "publisher restarts detected (seq went backwards, or a resume met a new process)"),
     ("unknown_events", "events of unknown type skipped"),
+)
+
+#: Per worker rank counters of the index itself (``indexer.index.WorkerIndexStats``).
+_INDEX_COUNTERS = (
+    ("duplicate_stores", "stores of a block already held on that tier (each needs a removal)"),
+    ("partial_group_events", "events of sliding-window or Mamba KV groups (not applied)"),
+    ("evicted_entries", "entries evicted by max_index_entries, least recently matched first"),
 )
 
 
@@ -123,6 +132,17 @@ class StateCollector(Collector):
             "blocks dropped because their parent was unknown",
             labels=labels,
         )
+        idx_counters = {
+            name: CounterMetricFamily(f"kvrouter_index_{name}", doc, labels=labels)
+            for name, doc in _INDEX_COUNTERS
+        }
+        native = GaugeMetricFamily(
+            "kvrouter_index_native",
+            "1 for the implementation (c or python) each hot loop of the index runs",
+            labels=["concern", "backend"],
+        )
+        for concern, backend in sorted(NATIVE_BACKENDS.items()):
+            native.add_metric([concern, backend], 1.0)
         seen_workers: set[str] = set()
         for s in self._sample():
             lv = [s.worker_id, str(s.dp_rank)]
@@ -153,6 +173,8 @@ class StateCollector(Collector):
                 for tier, n in ix.blocks_by_tier.items():
                     blocks.add_metric([*lv, tier], float(n))
                 idx_orphans.add_metric(lv, float(getattr(ix, "orphan_blocks", 0)))
+                for name, _doc in _INDEX_COUNTERS:
+                    idx_counters[name].add_metric(lv, float(getattr(ix, name, 0)))
         yield healthy
         yield stale
         yield connected
@@ -162,6 +184,8 @@ class StateCollector(Collector):
         yield from counters.values()
         yield blocks
         yield idx_orphans
+        yield from idx_counters.values()
+        yield native
 
 
 class _Value:

@@ -57,7 +57,7 @@ async def route_answer(state: RouterState, body: bytes) -> bytes:
 def _answer(
     state: RouterState, req: RouteRequest, tokens: list[int] | JsonTokens, t0: float
 ) -> bytes:
-    d = state.place(tokens, req.model, req.lora_name)
+    d = state.place(tokens, req.model, req.lora_name, req.cache_salt)
     if not d.order:
         raise NoHealthyWorker("no healthy worker for this request")
     best = d.order[0]

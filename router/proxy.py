@@ -217,7 +217,7 @@ async def proxy_request(
     if state.inflight >= s.max_inflight:
         raise TooManyRequests(f"over max_inflight ({s.max_inflight} requests in flight)")
     req, tokens, stream = await _tokens(state, endpoint, body)
-    d = state.place(tokens, req.model, req.lora_name)
+    d = state.place(tokens, req.model, req.lora_name, req.cache_salt)
     if not d.order:
         raise NoHealthyWorker("no healthy worker for this request")
     path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"

@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 import yaml
 
+from indexer.events import DEFAULT_TIER_WEIGHTS
 from router.errors import ConfigError
 
 __all__ = [
@@ -35,12 +36,6 @@ __all__ = [
     "parse_worker_spec",
 ]
 
-DEFAULT_TIER_WEIGHTS: dict[str, float] = {
-    "GPU": 1.0,
-    "CPU_PINNED": 0.8,
-    "DISK": 0.5,
-    "EXTERNAL": 0.3,
-}
 
 ENV_PREFIX = "KVROUTER_"
 
@@ -168,9 +163,11 @@ class RouteSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 class SubscriberSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     replay_timeout_s: float = 2.0
+    max_message_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         _check(self.replay_timeout_s > 0, "replay_timeout_s", "must be > 0")
+        _check(self.max_message_bytes > 0, "max_message_bytes", "must be > 0")
 
 
 class SnapshotSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -233,6 +230,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     host: str = "127.0.0.1"
     port: int = 8000
     block_size: int = 16
+    max_index_entries: int = 0
     admin_key: str | None = None
     tokenizer: str = "byte"
     log_level: str = "info"
@@ -248,6 +246,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, "port", "must be between 0 and 65535")
         _check(1 <= self.block_size <= 4096, "block_size", "must be between 1 and 4096")
+        _check(self.max_index_entries >= 0, "max_index_entries", "must be >= 0")
         _check(
             self.tokenizer in ("byte", "worker") or self.tokenizer.startswith("hf:"),
             "tokenizer",
