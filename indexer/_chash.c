@@ -197,6 +197,7 @@ json_hash_scan(const unsigned char *p, const unsigned char *end, Py_ssize_t bs, 
                     return -1;
             }
         }
+        if (v > (uint64_t)INT64_MAX) return -1; /* not a token id: the list decode words the error */
         CHASH_JSON_TOKEN(v);
         p = skip_ws(p, end);
         if (p < end && *p == ',') { p = skip_ws(p + 1, end); continue; }

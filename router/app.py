@@ -25,7 +25,14 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from router.api import WorkerIn, decode, encode, read_body
-from router.errors import BadRequest, NotFound, RouterError, Unauthorized, error_response
+from router.errors import (
+    BadRequest,
+    Forbidden,
+    NotFound,
+    RouterError,
+    Unauthorized,
+    error_response,
+)
 from router.placement import route_answer
 from router.proxy import AsgiProxy
 from router.service import RouterState
@@ -47,9 +54,17 @@ def _state(request: Request) -> RouterState:
 
 
 def _require_admin(state: RouterState, request: Request) -> None:
+    """Admin endpoints (the worker registry: it lists internal endpoints, and a registration makes
+    the router call the URL it names) are closed unless an admin key is configured and given, or
+    the operator opened them explicitly (``admin_open``, for a trusted network)."""
     key = state.settings.admin_key
     if not key:
-        return
+        if state.settings.admin_open:
+            return
+        raise Forbidden(
+            "admin endpoints are closed: configure admin_key (or admin_open: true on a trusted "
+            "network)"
+        )
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not secrets.compare_digest(
         token.strip().encode(), key.encode()
@@ -64,7 +79,9 @@ async def route(request: Request) -> Response:
     """POST /route through the app: bodies with ``prompt``/``messages``, or any server other
     than :mod:`router.http`'s (which answers ``token_ids`` bodies from the parser)."""
     state = _state(request)
-    body = await read_body(request, state.settings.proxy.max_body_bytes)
+    body = await read_body(
+        request, state.settings.proxy.max_body_bytes, state.settings.server.body_timeout_s
+    )
     return Response(await route_answer(state, body), media_type=_JSON)
 
 
@@ -134,6 +151,7 @@ def _worker_view(state: RouterState, worker_id: str) -> dict[str, Any]:
 
 async def list_workers(request: Request) -> Response:
     state = _state(request)
+    _require_admin(state, request)
     return _json({"workers": [_worker_view(state, w) for w in state.registry.workers]})
 
 
@@ -277,6 +295,7 @@ def create_app(settings: Settings) -> FastAPI:
         redoc_url=None,
         openapi_url=None,
     )
+    app.state.settings = settings
     app.add_exception_handler(RouterError, _router_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)

@@ -99,6 +99,7 @@ class RouterState:
             read_s=p.read_timeout_s,
             write_s=p.write_timeout_s,
             max_idle_per_origin=p.max_connections,
+            max_body_bytes=p.max_response_bytes,
         )
         self.index, seqs = load_index(settings)
         self.index.set_cap(settings.max_index_entries)

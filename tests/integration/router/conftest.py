@@ -73,6 +73,8 @@ async def router() -> AsyncIterator[Callable[..., Awaitable[RouterHandle]]]:
         """``plain_asgi``: serve the app with uvicorn's own protocol (every request through
         ASGI, as under any other server) instead of ``router.http``'s."""
         overrides.setdefault("health", {"interval_s": 0.2, "timeout_s": 2.0})
+        if "admin_key" not in overrides:  # tests that read /workers; auth has its own tests
+            overrides.setdefault("admin_open", True)
         overrides.setdefault("workers", [w.spec() for w in fake_workers])
         settings = load_settings(environ={}, overrides=overrides)
         app = create_app(settings)

@@ -15,7 +15,7 @@ BS = 16
 def err(resp: httpx.Response, status: int) -> str:
     assert resp.status_code == status, (resp.status_code, resp.text)
     body = resp.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type"}
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
     return body["error"]["message"]
 
 
@@ -88,7 +88,7 @@ async def test_worker_that_hangs_times_out(workers, router, http):
     r = await router([a], proxy={"read_timeout_s": 0.5, "retries": 0})
     t0 = time.monotonic()
     resp = await http.post(r.url + "/v1/completions", json={"prompt": "hello"})
-    assert "ReadTimeout" in err(resp, 503)
+    assert "ReadTimeout" in err(resp, 504)
     assert time.monotonic() - t0 < 10
 
 
@@ -124,7 +124,9 @@ async def test_workers_api_needs_admin_key(workers, router, http):
     a, b = await workers("a"), await workers("b")
     r = await router([a], admin_key="s3cret")
     u = r.url
-    listed = (await http.get(u + "/workers")).json()["workers"]
+    auth = {"Authorization": "Bearer s3cret"}
+    err(await http.get(u + "/workers"), 401)  # it shows internal endpoints
+    listed = (await http.get(u + "/workers", headers=auth)).json()["workers"]
     assert [w["id"] for w in listed] == ["a"] and listed[0]["healthy"] is True
     assert listed[0]["ranks"][0]["subscriber"]["replay_done"] is True
     new = b.spec()
@@ -146,7 +148,8 @@ async def test_workers_api_needs_admin_key(workers, router, http):
     err(await http.delete(u + "/workers/b"), 401)
     err(await http.delete(u + "/workers/zzz", headers=auth), 404)
     assert (await http.delete(u + "/workers/b", headers=auth)).status_code == 200
-    assert [w["id"] for w in (await http.get(u + "/workers")).json()["workers"]] == ["a"]
+    listed = (await http.get(u + "/workers", headers=auth)).json()["workers"]
+    assert [w["id"] for w in listed] == ["a"]
     body = (await http.post(u + "/route", json={"token_ids": list(range(32))})).json()
     assert [c["worker_id"] for c in body["candidates"]] == ["a"]
 
