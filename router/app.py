@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from router.access import AccessLog
 from router.api import WorkerIn, decode, encode, read_body
 from router.errors import (
     BadRequest,
@@ -296,6 +297,7 @@ def create_app(settings: Settings) -> FastAPI:
         openapi_url=None,
     )
     app.state.settings = settings
+    app.add_middleware(AccessLog)
     app.add_exception_handler(RouterError, _router_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)

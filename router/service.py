@@ -94,6 +94,7 @@ class RouterState:
         self.settings = settings
         self.client = client  # cold paths: health checks, scraping, /tokenize
         p = settings.proxy
+        self.draining = False  # SIGTERM: /ready answers 503 while in-flight requests finish
         self.upstream = UpstreamPool(  # the proxy's hot path
             connect_s=p.connect_timeout_s,
             read_s=p.read_timeout_s,
@@ -186,8 +187,18 @@ class RouterState:
                 log.warning("%s", msg)
 
     def ready(self) -> tuple[bool, list[str]]:
+        """Readiness: not draining, and at least one healthy worker whose event stream is live
+        (one stuck worker must not take every replica out of its Service); also the workers
+        still waiting for their stream, for the operator."""
         waiting = [w for w in self.registry.workers if not self.subscriber.worker_ready(w)]
-        return not waiting, waiting
+        if self.draining:
+            return False, ["draining"]
+        live = any(st.healthy and st.id not in waiting for st in self.registry.workers.values())
+        return live, waiting
+
+    def all_ready(self) -> bool:
+        """Every configured worker's event stream is connected and replayed."""
+        return all(self.subscriber.worker_ready(w) for w in self.registry.workers)
 
     def pick_tokenize_worker(self, model: str | None) -> tuple[str, str]:
         for st in self.registry.candidates(model):

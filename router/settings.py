@@ -260,6 +260,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     admin_open: bool = False
     tokenizer: str = "byte"
     log_level: str = "info"
+    log_format: str = "text"
     server: ServerSettings = msgspec.field(default_factory=ServerSettings)
     proxy: ProxySettings = msgspec.field(default_factory=ProxySettings)
     health: HealthSettings = msgspec.field(default_factory=HealthSettings)
@@ -272,6 +273,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, "port", "must be between 0 and 65535")
+        _check(self.log_format in ("text", "json"), "log_format", "must be text or json")
         _check(1 <= self.block_size <= 4096, "block_size", "must be between 1 and 4096")
         _check(self.max_index_entries >= 0, "max_index_entries", "must be >= 0")
         _check(

@@ -35,7 +35,7 @@ class RouterHandle:
         return index.match(index.request_hashes(tokens)).workers[(worker, rank)].matched_blocks
 
     async def wait_ready(self, timeout: float = 30.0) -> None:
-        await wait_for(lambda: self.state.ready()[0], timeout, "router ready")
+        await wait_for(self.state.all_ready, timeout, "every worker's event stream ready")
 
 
 @pytest.fixture

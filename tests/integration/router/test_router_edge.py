@@ -24,6 +24,7 @@ class RawWorker:
     def __init__(self, answer: Answer) -> None:
         self.answer = answer
         self.posts: list[bytes] = []
+        self.heads: list[bytes] = []
         self.server: asyncio.Server | None = None
 
     async def _serve(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
@@ -40,6 +41,7 @@ class RawWorker:
                     w.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data))
                 else:
                     self.posts.append(body)
+                    self.heads.append(head)
                     w.write(await self.answer(body))
                 await w.drain()
         except (ConnectionError, asyncio.IncompleteReadError):
@@ -253,3 +255,22 @@ async def test_unfinished_oversized_head_is_refused(router) -> None:
     answer = await asyncio.wait_for(reader.read(4096), 10)
     writer.close()
     assert answer.startswith(b"HTTP/1.1 400 ") or answer == b"", answer[:80]
+
+
+async def test_request_id_echoed_forwarded_and_logged(router, raw, http, caplog) -> None:
+    w = await raw(fixed(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}"))
+    r = await routed(router, [("w", w)])
+    caplog.set_level("INFO", logger="kvrouter.access")
+    resp = await http.post(
+        r.url + "/v1/completions", json={"prompt": "x"}, headers={"x-request-id": "abc-123"}
+    )
+    assert resp.headers["x-request-id"] == "abc-123"
+    assert b"x-request-id: abc-123\r\n" in w.heads[-1].lower()  # forwarded to the worker
+    made = await http.get(r.url + "/health")
+    assert len(made.headers["x-request-id"]) == 32  # generated
+    bad = await http.get(r.url + "/health", headers={"x-request-id": "no spaces allowed"})
+    assert bad.headers["x-request-id"] != "no spaces allowed"
+    lines = [rec for rec in caplog.records if rec.name == "kvrouter.access"]
+    proxied = [rec.access for rec in lines if rec.access["request_id"] == "abc-123"]  # type: ignore[attr-defined]
+    assert proxied and proxied[0]["status"] == 200 and proxied[0]["worker"] == "w"
+    assert proxied[0]["path"] == "/v1/completions" and proxied[0]["bytes"] == 2
