@@ -141,11 +141,12 @@ def metric_rows() -> list[tuple[str, str, str, str]]:
     """(name as scraped, type, labels, help) of every metric the router exports."""
     from prometheus_client import CollectorRegistry
 
-    from router.metrics import RouterMetrics, StateCollector, _Family
+    from router.metrics import RouterMetrics, StateCollector, _Family, register_process_metrics
 
     registry = CollectorRegistry()
     metrics = RouterMetrics(registry)
     registry.register(StateCollector(lambda: [_sample()]))
+    register_process_metrics(registry)
     declared = {
         f.name: list(f.labelnames) for f in vars(metrics).values() if isinstance(f, _Family)
     }
@@ -153,7 +154,7 @@ def metric_rows() -> list[tuple[str, str, str, str]]:
     for fam in registry.collect():
         labels = {k for s in fam.samples for k in s.labels if k != "le"}
         labels |= set(declared.get(fam.name, ()))
-        suffix = "_total" if fam.type == "counter" else ""
+        suffix = "_total" if fam.type == "counter" and not fam.name.endswith("_total") else ""
         rows.append((fam.name + suffix, fam.type, ", ".join(sorted(labels)), fam.documentation))
     return sorted(rows)
 

@@ -27,9 +27,17 @@ __all__ = [
     "Unauthorized",
     "UnprocessableEntity",
     "UpstreamError",
+    "config_check",
     "error_json",
     "error_response",
 ]
+
+
+def config_check(cond: bool, key: str, msg: str) -> None:
+    # msgspec turns a ValueError raised in __post_init__ into a ValidationError carrying the path
+    # of the struct; naming the field here completes it ("... - at `$.scoring`").
+    if not cond:
+        raise ValueError(f"`{key}` {msg}")
 
 
 class RouterError(Exception):

@@ -28,7 +28,7 @@ from indexer.subscriber import Subscriber, WorkerEndpoint
 from router.api import JsonTokens
 from router.errors import BadRequest, Conflict, NoHealthyWorker, NotFound
 from router.load import LoadTracker, RouteAccounts, Ticket
-from router.metrics import RouterMetrics, StateCollector, WorkerSample
+from router.metrics import RouterMetrics, StateCollector, WorkerSample, register_process_metrics
 from router.predict import PredictedBlocks
 from router.registry import Registry, WorkerState
 from router.scoring import Candidate, ScoreWeights, rank
@@ -130,6 +130,7 @@ class RouterState:
         self.prom = CollectorRegistry(auto_describe=True)
         self.metrics = RouterMetrics(self.prom)
         self.prom.register(StateCollector(self._samples))
+        register_process_metrics(self.prom)
         self.tokenizer: Tokenizer = make_tokenizer(
             settings.tokenizer, client=client, pick=self.pick_tokenize_worker
         )

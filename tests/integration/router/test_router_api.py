@@ -168,7 +168,7 @@ async def test_metrics_and_health(workers, router, http):
         "kvrouter_decision_latency_seconds_count",
         "kvrouter_matched_block_ratio_bucket",
         'kvrouter_route_decisions_total{kind="route",worker="a"} 1.0',
-        'kvrouter_events_applied_total{dp_rank="0",tier="",type="BlockStored",worker="a"} 1.0',
+        'kvrouter_events_applied_total{dp_rank="0",type="BlockStored",worker="a"} 1.0',
         'kvrouter_index_blocks{dp_rank="0",tier="CPU_PINNED",worker="a"} 3.0',
         'kvrouter_subscriber_connected{dp_rank="0",worker="a"} 1.0',
         "kvrouter_event_lag_seconds",
