@@ -77,8 +77,8 @@ def _require_admin(state: RouterState, request: Request) -> None:
 
 
 async def route(request: Request) -> Response:
-    """POST /route through the app: bodies with ``prompt``/``messages``, or any server other
-    than :mod:`router.http`'s (which answers ``token_ids`` bodies from the parser)."""
+    """POST /route: ``token_ids`` are answered without awaiting; ``prompt``/``messages`` may
+    wait for the tokenizer."""
     state = _state(request)
     body = await read_body(
         request, state.settings.proxy.max_body_bytes, state.settings.server.body_timeout_s

@@ -12,9 +12,8 @@
   and as active until the response ends; ``usage.prompt_tokens_details.cached_tokens`` (the final
   usage chunk when streaming, if the client asked for one) is compared with the prediction.
 
-:func:`proxy_request` writes through a :class:`Responder`. :mod:`router.http` implements one on
-the transport (a whole answer in one write: the client wakes once); :class:`AsgiProxy` is the
-ASGI form, for the app served by any other ASGI server.
+:func:`proxy_request` writes through a :class:`Responder`; :class:`AsgiProxy` is its ASGI form,
+the endpoint the app mounts.
 """
 
 from __future__ import annotations

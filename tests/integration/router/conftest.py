@@ -70,8 +70,8 @@ async def router() -> AsyncIterator[Callable[..., Awaitable[RouterHandle]]]:
         plain_asgi: bool = False,
         **overrides: Any,
     ) -> RouterHandle:
-        """``plain_asgi``: serve the app with uvicorn's own protocol (every request through
-        ASGI, as under any other server) instead of ``router.http``'s."""
+        """``plain_asgi``: serve the app with uvicorn's defaults (httptools) instead of
+        ``router.http``'s config (h11 and the router's limits): both must answer alike."""
         overrides.setdefault("health", {"interval_s": 0.2, "timeout_s": 2.0})
         if "admin_key" not in overrides:  # tests that read /workers; auth has its own tests
             overrides.setdefault("admin_open", True)
