@@ -2,7 +2,7 @@
 
 Engine block hashes differ per engine, release and configuration, so the router never reproduces
 them. It hashes the token ids that every ``BlockStored`` carries with its own function, and hashes
-requests with the same function, so both sides agree by construction (DESIGN §3).
+requests with the same function, so both sides agree by construction (docs/architecture.md §3).
 
 ``h_i = H(h_{i-1}, tokens of block i)`` with ``h_{-1} = namespace_seed(model, lora_name)``. ``H`` is a
 murmur-style multiply/rotate over the 64-bit token values with an fmix64 finalizer. It is a routing

@@ -1,7 +1,7 @@
 """The subscriber's sequence logic and replays: per worker rank, apply, replay, skip or drop.
 
 ``indexer.subscriber.Subscriber`` owns the sockets and the task and inherits this; every method
-here runs on that task and is synchronous. Rules (DESIGN §4):
+here runs on that task and is synchronous. Rules (docs/architecture.md §4):
 
 - live ``seq == last + 1``: apply. ``seq > last + 1``: a gap; replay ``[last + 1, seq)`` through
   the DEALER while live batches wait in a buffer, or, with no replay endpoint, drop the rank.

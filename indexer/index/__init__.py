@@ -1,5 +1,5 @@
 """The global prefix index: every worker's cached blocks, by router block hash and storage tier
-(DESIGN §3). A package of one state and two sides:
+(docs/architecture.md §3). A package of one state and two sides:
 
 - ``types``: the vocabulary (``WorkerKey``, tier ids, ``WorkerMatch``/``MatchResult``, errors);
 - ``state``: ``IndexState``, the only owner of worker tables, the tier registry and the masks;

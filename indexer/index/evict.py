@@ -1,4 +1,4 @@
-"""The optional index cap (DESIGN §3): at most ``max_entries`` (engine block, worker) entries,
+"""The optional index cap (docs/architecture.md §3): at most ``max_entries`` (engine block, worker) entries,
 the least recently matched going first.
 
 Recency without writes on the request path: ``match`` appends the request's hashes to a bounded

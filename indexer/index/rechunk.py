@@ -3,7 +3,7 @@
 SGLang's default page size is 1, vLLM's is 16, others use 32 or 64, while the router hashes one
 block size per model. A router block is present on such a worker when every engine block covering
 its tokens is present; its tiers are those all covering blocks share, or else the slowest of their
-fastest tiers (DESIGN §3). Each engine block keeps the router chain state at the last router-block
+fastest tiers (docs/architecture.md §3). Each engine block keeps the router chain state at the last router-block
 boundary before its end plus the tokens after it, so a child store can continue the chain.
 """
 

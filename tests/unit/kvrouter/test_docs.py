@@ -50,3 +50,15 @@ def test_kubernetes_and_file_scrape_configs_have_the_same_jobs() -> None:
         for f in ("prometheus.yml", "prometheus-kubernetes.yml")
     ]
     assert jobs[0] == jobs[1] == ["kvrouter-router", "kvrouter-workers"]
+
+
+def test_code_points_to_the_projects_own_architecture_doc() -> None:
+    """Docstrings cite docs/architecture.md (in this repo), never a design file outside it."""
+    offenders = [
+        str(p.relative_to(docs.ROOT))
+        for pkg in ("indexer", "router", "engine", "kvrouter", "tests")
+        for p in (docs.ROOT / pkg).rglob("*.py")
+        if "DESIGN" in p.read_text() and p.name != "test_docs.py"
+    ]
+    assert not offenders, offenders
+    assert (docs.ROOT / "docs" / "architecture.md").exists()
