@@ -101,7 +101,8 @@ def serve_worker() -> None:
 
 
 def spawn(args: list[str], pattern: str) -> tuple[subprocess.Popen[str], str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    # a loopback benchmark reads GET /workers: the admin endpoints opened explicitly
+    env = dict(os.environ, PYTHONPATH=str(ROOT), KVROUTER_ADMIN_OPEN="true")
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env=env, cwd=str(ROOT))
     assert proc.stdout is not None
     deadline = time.monotonic() + 60

@@ -34,7 +34,7 @@ from router.errors import (
     Unauthorized,
     error_response,
 )
-from router.placement import route_answer
+from router.placement import RouteEndpoint
 from router.proxy import AsgiProxy
 from router.service import RouterState
 from router.settings import Settings, WorkerConfig
@@ -74,16 +74,6 @@ def _require_admin(state: RouterState, request: Request) -> None:
 
 
 # ------------------------------------------------------------------------------ /route
-
-
-async def route(request: Request) -> Response:
-    """POST /route: ``token_ids`` are answered without awaiting; ``prompt``/``messages`` may
-    wait for the tokenizer."""
-    state = _state(request)
-    body = await read_body(
-        request, state.settings.proxy.max_body_bytes, state.settings.server.body_timeout_s
-    )
-    return Response(await route_answer(state, body), media_type=_JSON)
 
 
 async def release_route(request: Request) -> Response:
@@ -297,12 +287,12 @@ def create_app(settings: Settings) -> FastAPI:
         openapi_url=None,
     )
     app.state.settings = settings
-    app.add_middleware(AccessLog)
+    app.add_middleware(RouteEndpoint)  # POST /route, ahead of the app's routing
+    app.add_middleware(AccessLog)  # outermost: every request, /route included
     app.add_exception_handler(RouterError, _router_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
     add = app.add_route
-    add("/route", route, methods=["POST"])
     add("/route/{route_id}/release", release_route, methods=["POST"])
     for path, endpoint in (("/v1/completions", "completions"), ("/v1/chat/completions", "chat")):
         app.router.routes.append(Route(path, AsgiProxy(endpoint), methods=["POST"]))

@@ -17,6 +17,7 @@ __all__ = [
     "Conflict",
     "Forbidden",
     "GatewayTimeout",
+    "MethodNotAllowed",
     "NoHealthyWorker",
     "NotFound",
     "PayloadTooLarge",
@@ -80,6 +81,11 @@ class Forbidden(RouterError):
 class NotFound(RouterError):
     status = 404
     type = "not_found_error"
+
+
+class MethodNotAllowed(RouterError):
+    status = 405
+    type = "invalid_request_error"
 
 
 class Conflict(RouterError):

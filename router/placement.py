@@ -10,6 +10,9 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 
+from starlette.requests import ClientDisconnect, Request
+from starlette.types import ASGIApp, Receive, Scope, Send
+
 from router.api import (
     CandidateOut,
     JsonTokens,
@@ -18,12 +21,13 @@ from router.api import (
     check_messages,
     decode_route,
     encode,
+    read_body,
 )
-from router.errors import BadRequest, NoHealthyWorker
+from router.errors import BadRequest, MethodNotAllowed, NoHealthyWorker, RouterError, error_json
 from router.scoring import tier_breakdown
 from router.service import RouterState
 
-__all__ = ["route_answer", "route_answer_now"]
+__all__ = ["RouteEndpoint", "route_answer", "route_answer_now"]
 
 
 def route_answer_now(state: RouterState, body: bytes) -> bytes | None:
@@ -105,3 +109,43 @@ def _breakdown(by_tier: Mapping[str, int], seen: dict[int, dict[str, int]]) -> d
     if out is None:
         out = seen[id(by_tier)] = tier_breakdown(by_tier)
     return out
+
+
+class RouteEndpoint:
+    """``POST /route`` as a plain ASGI middleware in front of the app's routing: the placement
+    API is the router's hot path, and FastAPI's router and exception layers cost as much as the
+    answer itself. Every other request passes to the app untouched."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] != "/route":
+            await self.app(scope, receive, send)
+            return
+        state: RouterState = scope["app"].state.kv
+        s = state.settings
+        status, headers = 200, [(b"content-type", b"application/json")]
+        try:
+            if scope["method"] != "POST":
+                headers.append((b"allow", b"POST"))
+                raise MethodNotAllowed("/route takes POST")
+            body = await read_body(
+                Request(scope, receive), s.proxy.max_body_bytes, s.server.body_timeout_s
+            )
+            answer = route_answer_now(state, body)
+            if answer is None:
+                answer = await route_answer(state, body)
+        except ClientDisconnect:
+            return
+        except RouterError as e:
+            status, answer = e.status, error_json(e.message, e.type)
+            state.metrics.rejected.labels(str(status)).inc()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [*headers, (b"content-length", str(len(answer)).encode())],
+            }
+        )
+        await send({"type": "http.response.body", "body": answer})
