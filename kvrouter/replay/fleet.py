@@ -186,7 +186,7 @@ class Fleet:
             if child.proc.poll() is not None:
                 raise UpError(f"sglang-router exited with status {child.proc.returncode}")
             body = _json(url + "/readiness")
-            return bool(body) and body.get("healthy_workers") == len(self.engine_urls)
+            return body is not None and body.get("healthy_workers") == len(self.engine_urls)
 
         wait_until(ready, self.spec.ready_timeout, "sglang-router to register every engine")
         self.router_url, self.router_pid = url, child.proc.pid

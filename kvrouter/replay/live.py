@@ -1,25 +1,19 @@
-"""Live replay: a trace's requests sent to running servers at ``timestamp / speedup``, streamed.
+"""Live replay: one trace through each policy against running servers, one policy after another.
 
-Each request is a streamed ``POST /v1/completions`` (``max_tokens`` = the trace's output length,
-``ignore_eos``, ``stream_options.include_usage``): its time to first token is taken at the first
-chunk that carries text, its reuse from ``usage.prompt_tokens_details.cached_tokens``. Where a
-request goes is the policy's business:
-
-* ``random``, ``round_robin``, ``least_load`` (fewest requests outstanding, ties in turn) are
-  decided here, in the client, over the workers' URLs;
-* any other policy is a router URL that places every request itself (``kvrouter``, a peer).
-
-One :class:`httpx.AsyncClient` carries every stream; at most ``max_inflight`` are open at once (a
-request past that bound waits for a slot, and its lateness is reported). Arrivals are paced on
-the event loop's clock; nothing else waits on time.
+Where the requests go (:class:`LiveTargets`): a fleet of our own, fresh for each policy
+(:mod:`kvrouter.replay.fleet`: N bundled sim engines, and kvrouter or sglang-router in front of
+them), or servers already running — a kvrouter URL, an sglang-router URL, OpenAI worker URLs for
+the client-side policies (their prefix caches are reset between policies where the workers allow
+``POST /reset_prefix_cache``). The client (:mod:`kvrouter.replay.live_client`) paces, streams and
+measures; a :class:`PolicyRun` carries what it saw plus the router's CPU seconds and the engines'
+counters.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
-import json
-import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -28,179 +22,23 @@ from typing import TextIO
 import httpx
 
 from kvrouter.replay.fleet import EngineCounters, Fleet, FleetSpec, cpu_seconds, engine_counters
+from kvrouter.replay.live_client import (
+    CLIENT_POLICIES,
+    ClientPolicy,
+    LiveOutcome,
+    LiveRequest,
+    drive,
+    model_of,
+)
 
 __all__ = [
-    "ClientPolicy",
-    "LiveOutcome",
-    "LiveRequest",
+    "PEER_POLICIES",
     "LiveTargets",
     "PolicyRun",
-    "drive",
-    "model_of",
+    "add_live_arguments",
     "run_policy",
+    "targets_from_args",
 ]
-
-CLIENT_POLICIES = ("random", "round_robin", "least_load")
-
-
-@dataclass(frozen=True)
-class LiveRequest:
-    """What the driver needs of one trace request: when, what, and how long an answer."""
-
-    arrival_s: float  # trace time, seconds from the trace's start
-    prompt: Callable[[], str]  # built at send time: a whole trace's prompts need not fit in memory
-    max_tokens: int
-
-
-@dataclass
-class LiveOutcome:
-    """One request as the client saw it (times in wall-clock seconds)."""
-
-    index: int
-    late_s: float = 0.0  # sent this long after its scheduled arrival
-    ttft_s: float | None = None
-    e2e_s: float | None = None
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    output_tokens: int = 0
-    worker: str | None = None
-    error: str | None = None
-
-
-class ClientPolicy:
-    """Picks a worker URL per request on the client; tracks requests outstanding per worker."""
-
-    def __init__(self, name: str, urls: Sequence[str], seed: int = 0) -> None:
-        if name not in CLIENT_POLICIES:
-            raise ValueError(f"unknown client-side policy {name!r} (known: {CLIENT_POLICIES})")
-        if not urls:
-            raise ValueError("a client-side policy needs at least one worker URL")
-        self.name, self.urls = name, list(urls)
-        self.outstanding = [0] * len(urls)
-        self._rng = random.Random(seed)
-        self._next = 0
-
-    def pick(self) -> int:
-        n = len(self.urls)
-        if self.name == "random":
-            return self._rng.randrange(n)
-        start = self._next
-        self._next = (self._next + 1) % n
-        if self.name == "round_robin":
-            return start
-        # least_load: fewest outstanding; ties go to the first from a rotating start
-        return min(((start + k) % n for k in range(n)), key=lambda i: self.outstanding[i])
-
-
-async def model_of(client: httpx.AsyncClient, base: str) -> str:
-    """The first model a server lists (sglang-router needs ``model`` in every body)."""
-    r = await client.get(base.rstrip("/") + "/v1/models")
-    r.raise_for_status()
-    data = r.json().get("data") or []
-    if not data:
-        raise RuntimeError(f"{base}/v1/models lists no model")
-    return str(data[0]["id"])
-
-
-async def _one(
-    client: httpx.AsyncClient,
-    url: str,
-    model: str,
-    req: LiveRequest,
-    out: LiveOutcome,
-) -> None:
-    body = {
-        "model": model,
-        "prompt": req.prompt(),
-        "max_tokens": max(1, req.max_tokens),
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    start = time.perf_counter()
-    try:
-        async with client.stream("POST", url + "/v1/completions", json=body) as r:
-            out.worker = r.headers.get("x-kvrouter-worker", out.worker)
-            if r.status_code != 200:
-                text = (await r.aread()).decode(errors="replace")
-                out.error = f"HTTP {r.status_code}: {text[:200]}"
-                return
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                if out.ttft_s is not None and '"usage"' not in line:
-                    continue  # only the first text and the usage are read
-                chunk = json.loads(line[6:])
-                choices = chunk.get("choices") or []
-                if out.ttft_s is None and choices and choices[0].get("text"):
-                    out.ttft_s = time.perf_counter() - start
-                use = chunk.get("usage")
-                if use:
-                    out.prompt_tokens = int(use.get("prompt_tokens") or 0)
-                    out.output_tokens = int(use.get("completion_tokens") or 0)
-                    details = use.get("prompt_tokens_details") or {}
-                    out.cached_tokens = int(details.get("cached_tokens") or 0)
-        out.e2e_s = time.perf_counter() - start
-        if not out.prompt_tokens:
-            out.error = "no usage in the stream"
-    except (httpx.HTTPError, ValueError) as exc:
-        out.error = f"{type(exc).__name__}: {exc}"
-
-
-async def drive(
-    requests: Sequence[LiveRequest],
-    *,
-    speedup: float,
-    model: str,
-    router: str | None = None,
-    policy: ClientPolicy | None = None,
-    max_inflight: int = 2048,
-    timeout_s: float = 600.0,
-    on_done: Callable[[LiveOutcome], None] | None = None,
-) -> list[LiveOutcome]:
-    """Send ``requests`` at their arrival times / ``speedup``, to ``router`` or by ``policy``."""
-    if (router is None) == (policy is None):
-        raise ValueError("give a router URL or a client-side policy, not both")
-    if speedup <= 0:
-        raise ValueError("speedup must be positive")
-    outcomes = [LiveOutcome(i) for i in range(len(requests))]
-    slots = asyncio.Semaphore(max_inflight)
-    limits = httpx.Limits(max_connections=max_inflight, max_keepalive_connections=max_inflight)
-    timeout = httpx.Timeout(timeout_s, connect=30.0)
-    loop = asyncio.get_running_loop()
-
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-
-        async def send(i: int, due: float) -> None:
-            out = outcomes[i]
-            async with slots:
-                out.late_s = max(0.0, loop.time() - due)
-                if policy is not None:
-                    w = policy.pick()
-                    policy.outstanding[w] += 1
-                    out.worker = policy.urls[w]
-                    try:
-                        await _one(client, policy.urls[w], model, requests[i], out)
-                    finally:
-                        policy.outstanding[w] -= 1
-                else:
-                    assert router is not None
-                    await _one(client, router.rstrip("/"), model, requests[i], out)
-            if on_done is not None:
-                on_done(out)
-
-        t0 = loop.time() - (requests[0].arrival_s / speedup if requests else 0.0)
-        tasks = []
-        for i, req in enumerate(requests):
-            due = t0 + req.arrival_s / speedup
-            delay = due - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)  # pacing arrivals, not waiting for state
-            tasks.append(asyncio.create_task(send(i, due)))
-        await asyncio.gather(*tasks)
-    return outcomes
-
 
 # ------------------------------------------------------------------------- one run per policy
 
@@ -334,4 +172,66 @@ async def _drive(
         policy=client,
         max_inflight=max_inflight,
         on_done=on_done,
+    )
+
+
+# ------------------------------------------------------------------------------- CLI options
+
+
+def add_live_arguments(p: argparse.ArgumentParser) -> None:
+    """``kvrouter replay --mode live`` options: where the requests go (see :class:`LiveTargets`)."""
+    g = p.add_argument_group("live mode (--mode live)")
+    a = g.add_argument
+    a("--router-url", help="a running kvrouter for policy kvrouter (default: a fresh fleet's)")
+    a("--sglang-router-url", help="a running sglang-router for policy sglang")
+    a(
+        "--sglang-router-python",
+        metavar="PATH",
+        help="a Python with sglang-router installed: the fleet starts it for policy sglang",
+    )
+    a(
+        "--worker-url",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="an OpenAI worker for the client-side policies (repeatable); none: a fresh fleet",
+    )
+    a("--router-pid", type=int, default=0, help="pid whose CPU counts as the given router's")
+    a("--router-config", help="router YAML for the fleet's kvrouter (weights, knobs)")
+    a("--cpu-blocks", type=int, default=0, help="fleet engines' CPU_PINNED tier (default 0)")
+    a(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument for every fleet engine (repeatable), e.g. --engine-arg=--max-num-seqs=128",
+    )
+    a("--max-inflight", type=int, default=2048, help="streams open at once (default 2048)")
+    a("--children-log", help="file for the fleet's output (default: discarded)")
+
+
+def targets_from_args(
+    args: argparse.Namespace, *, workers: int, block_size: int, gpu_blocks: int, speedup: float
+) -> LiveTargets:
+    """The fleet (same shape as the virtual fleet, engines at the replay's speedup) unless
+    servers are given; a router URL with no workers still needs no fleet for its policy."""
+    external = bool(args.worker_url or args.router_url or args.sglang_router_url)
+    fleet = None
+    if not external:
+        fleet = FleetSpec(
+            workers=workers,
+            block_size=block_size,
+            gpu_blocks=gpu_blocks,
+            cpu_blocks=args.cpu_blocks,
+            speedup=speedup,
+            engine_args=tuple(args.engine_arg),
+        )
+    return LiveTargets(
+        fleet=fleet,
+        router_url=args.router_url,
+        sglang_url=args.sglang_router_url,
+        worker_urls=tuple(args.worker_url),
+        sglang_python=args.sglang_router_python,
+        router_config=args.router_config,
+        router_pid=args.router_pid,
     )

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from kvrouter.replay.fleet import FleetSpec
-from kvrouter.replay.live import LiveRequest, LiveTargets, run_policy
+from kvrouter.replay.live import LiveTargets, run_policy
+from kvrouter.replay.live_client import LiveRequest
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import httpx
 
 from kvrouter.replay.fleet import Fleet, FleetSpec
-from kvrouter.replay.live import LiveRequest, LiveTargets, run_policy
+from kvrouter.replay.live import LiveTargets, run_policy
+from kvrouter.replay.live_client import LiveRequest
 
 BS = 16
 

@@ -14,7 +14,7 @@ import pytest
 from engine.config import EngineConfig, ServerSettings
 from engine.server import create_app
 from kvrouter.replay.fleet import cpu_seconds
-from kvrouter.replay.live import ClientPolicy, LiveRequest, drive
+from kvrouter.replay.live_client import ClientPolicy, LiveRequest, drive
 from tests.unit.engine.engine_helpers import serve
 
 
