@@ -198,6 +198,14 @@ def add_live_arguments(p: argparse.ArgumentParser) -> None:
     )
     a("--router-pid", type=int, default=0, help="pid whose CPU counts as the given router's")
     a("--router-config", help="router YAML for the fleet's kvrouter (weights, knobs)")
+    a(
+        "--router-env",
+        action="append",
+        type=_key_value,
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment for the fleet's kvrouter (repeatable), e.g. KVROUTER_SCORING__OVERLAP_WEIGHT=8",
+    )
     a("--cpu-blocks", type=int, default=0, help="fleet engines' CPU_PINNED tier (default 0)")
     a(
         "--engine-arg",
@@ -233,5 +241,13 @@ def targets_from_args(
         worker_urls=tuple(args.worker_url),
         sglang_python=args.sglang_router_python,
         router_config=args.router_config,
+        router_env=dict(args.router_env),
         router_pid=args.router_pid,
     )
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    key, eq, value = text.partition("=")
+    if not eq or not key:
+        raise argparse.ArgumentTypeError(f"--router-env wants KEY=VALUE, got {text!r}")
+    return key, value

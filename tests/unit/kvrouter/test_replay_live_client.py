@@ -3,6 +3,7 @@ request (first-token time, usage), errors recorded rather than raised, and CPU t
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import itertools
 import os
@@ -14,6 +15,7 @@ import pytest
 from engine.config import EngineConfig, ServerSettings
 from engine.server import create_app
 from kvrouter.replay.fleet import cpu_seconds
+from kvrouter.replay.live import add_live_arguments, targets_from_args
 from kvrouter.replay.live_client import ClientPolicy, LiveRequest, drive
 from tests.unit.engine.engine_helpers import serve
 
@@ -93,3 +95,18 @@ def test_cpu_seconds_reads_proc() -> None:
     got = cpu_seconds(os.getpid())
     assert got is not None and abs(got - (t.user + t.system)) < 0.1
     assert cpu_seconds(2**22 + 12345) is None  # no such process
+
+
+def test_live_options_pick_a_fleet_or_the_given_servers() -> None:
+    p = argparse.ArgumentParser()
+    add_live_arguments(p)
+    shape = {"workers": 4, "block_size": 16, "gpu_blocks": 512, "speedup": 2.0}
+    t = targets_from_args(p.parse_args(["--router-env", "KVROUTER_A=x=1"]), **shape)
+    assert t.fleet is not None and t.fleet.workers == 4 and t.fleet.speedup == 2.0
+    assert t.router_env == {"KVROUTER_A": "x=1"}
+    argv = ["--worker-url", "http://a", "--worker-url", "http://b", "--router-url", "http://r"]
+    t = targets_from_args(p.parse_args(argv), **shape)
+    assert t.fleet is None and t.worker_urls == ("http://a", "http://b")
+    assert t.router_url == "http://r"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--router-env", "NOVALUE"])
