@@ -18,11 +18,11 @@ BS = 16
 
 
 def _trace() -> list[LiveRequest]:
-    """Three conversations; each second turn extends its first (arrives 2 s later in trace time)."""
+    """Three conversations; each second turn extends its first (arrives 2 s later, wall clock)."""
     first = [f"conversation {c}: " + chr(65 + c) * 300 for c in range(3)]
     reqs = [LiveRequest(0.05 * c, lambda p=p: p, 2) for c, p in enumerate(first)]
     reqs += [
-        LiveRequest(2.0 + 0.05 * c, lambda p=p: p + " and then?" * 5, 2)
+        LiveRequest(4.0 + 0.05 * c, lambda p=p: p + " and then?" * 5, 2)
         for c, p in enumerate(first)
     ]
     return reqs
