@@ -138,6 +138,7 @@ def main() -> int:
     p.add_argument("--policies", default="round_robin,least_load,kvrouter,sglang")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write every request's outcome and the table here")
+    p.add_argument("--plots", help="directory for ttft_cdf.png and hit_rate.png")
     add_live_arguments(p)
     args = p.parse_args()
     rows = load(args.trace, args.start, args.count)
@@ -186,7 +187,36 @@ def main() -> int:
         }
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out))
+    if args.plots:
+        plot(Path(args.plots), runs, table, ideal)
     return 0
+
+
+def plot(out: Path, runs: list[PolicyRun], table: list[dict[str, object]], ideal: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for run in runs:
+        s = sorted(o.ttft_s * 1000 for o in run.outcomes if o.ttft_s is not None)
+        ax.plot(s, [i / len(s) for i in range(len(s))], label=run.policy)
+    ax.set_xscale("log")
+    ax.set_xlabel("time to first token (ms)")
+    ax.set_ylabel("fraction of requests")
+    ax.legend()
+    ax.grid(True, alpha=0.3)
+    fig.savefig(out / "ttft_cdf.png", dpi=120, bbox_inches="tight")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    names = [str(r["policy"]) for r in table]
+    ax.bar(names, [float(r["hit_%"]) for r in table])  # type: ignore[arg-type]
+    ax.axhline(ideal * 100, linestyle="--", color="gray", label="infinite-cache ideal")
+    ax.set_ylabel("prefix hit (% of prompt tokens)")
+    ax.legend()
+    fig.savefig(out / "hit_rate.png", dpi=120, bbox_inches="tight")
+    print(f"plots: {out / 'ttft_cdf.png'} {out / 'hit_rate.png'}")
 
 
 if __name__ == "__main__":
