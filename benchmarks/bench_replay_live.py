@@ -27,6 +27,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import os
 import statistics
 import string
 import sys
@@ -151,12 +152,11 @@ def main() -> int:
         gpu_blocks=args.gpu_blocks,
         speedup=args.speedup,
     )
-    log = open(args.children_log, "w") if args.children_log else open("/dev/null", "w")  # noqa: SIM115
+    log = open(args.children_log or os.devnull, "w")  # noqa: SIM115 - closed below
     table, runs = [], []
     with log:
         for policy in args.policies.split(","):
-            with open("/proc/loadavg") as f:
-                load_avg = f.read().split()[0]
+            load_avg = round(os.getloadavg()[0], 2)  # how busy the machine was as it began
             done = 0
 
             def tick(_: object, policy: str = policy) -> None:
