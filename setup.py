@@ -1,5 +1,6 @@
 """Build hook for the optional C accelerators: the router block hash and index tables
-(``indexer._chash``) and the scorer (``router._score``).
+(``indexer._chash``), the router's body scanner and load counts (``router._native``) and the
+scorer (``router._score``).
 
 The extension is `optional`: if no compiler is present the install still succeeds and
 `indexer.hashing` falls back to the pure-Python implementation, which gives identical values.
@@ -12,6 +13,13 @@ setup(
         Extension(
             "indexer._chash",
             sources=["indexer/_chash.c"],
+            optional=True,
+            extra_compile_args=["-O3"],
+        ),
+        # the router's /route body scanner and load reference counts (see the file's header)
+        Extension(
+            "router._native",
+            sources=["router/_native.c"],
             optional=True,
             extra_compile_args=["-O3"],
         ),

@@ -1,6 +1,9 @@
-/* C accelerator for indexer.hashing.chain_hashes: same function as the pure-Python
- * fallback there (tests assert they agree), but it reads the Python list of token ids
- * directly, so no bytes conversion sits on the /route and ingest hot paths. */
+/* The index's and the router hash's C code, nothing else (the router's own helpers are in
+ * router/_native.c): chain_hashes (same function as the pure-Python fallback in
+ * indexer.hashing, tests assert they agree; it reads the Python list of token ids directly, so no
+ * bytes conversion sits on the /route and ingest hot paths), chain_hashes_json (the same hash
+ * over a JSON token array), the MaskMap presence table and the store/remove/walk hot loops that
+ * indexer.index.native picks. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -194,6 +197,7 @@ json_hash_scan(const unsigned char *p, const unsigned char *end, Py_ssize_t bs, 
                     return -1;
             }
         }
+        if (v > (uint64_t)INT64_MAX) return -1; /* not a token id: the list decode words the error */
         CHASH_JSON_TOKEN(v);
         p = skip_ws(p, end);
         if (p < end && *p == ',') { p = skip_ws(p + 1, end); continue; }
@@ -250,46 +254,6 @@ static PyObject *chain_hashes_json(PyObject *self, PyObject *args) {
     return res;
 }
 
-
-/* counts_add(counts, keys, delta) -> None: counts[k] += delta for each key, dropping keys that
- * reach <= 0 (a dict of reference counts; the router's per-worker load accounting, where a
- * proxied request adds and later removes each of its ~10^2 blocks twice). */
-static PyObject *counts_add(PyObject *self, PyObject *args) {
-    PyObject *d, *keys;
-    long delta;
-    if (!PyArg_ParseTuple(args, "O!Ol", &PyDict_Type, &d, &keys, &delta)) return NULL;
-    PyObject *fast = PySequence_Fast(keys, "keys must be a sequence");
-    if (fast == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-    PyObject **items = PySequence_Fast_ITEMS(fast);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *k = items[i];
-        PyObject *old = PyDict_GetItemWithError(d, k); /* borrowed */
-        long v = 0;
-        if (old != NULL) {
-            v = PyLong_AsLong(old);
-            if (v == -1 && PyErr_Occurred()) goto fail;
-        } else if (PyErr_Occurred()) {
-            goto fail;
-        }
-        v += delta;
-        int rc;
-        if (v > 0) {
-            PyObject *nv = PyLong_FromLong(v);
-            if (nv == NULL) goto fail;
-            rc = PyDict_SetItem(d, k, nv);
-            Py_DECREF(nv);
-        } else {
-            rc = old != NULL ? PyDict_DelItem(d, k) : 0;
-        }
-        if (rc < 0) goto fail;
-    }
-    Py_DECREF(fast);
-    Py_RETURN_NONE;
-fail:
-    Py_DECREF(fast);
-    return NULL;
-}
 
 /* ---- MaskMap: router hash -> slot mask (a Python int), the index's `present` table.
  * Open addressing over (uint64 key, mask) pairs: a lookup reads one slot, where a dict reads its
@@ -898,101 +862,6 @@ fail:
     return NULL;
 }
 
-/* ---- /route body: where the token array sits, so it is hashed once, in place. */
-
-static inline const unsigned char *ws_skip(const unsigned char *p, const unsigned char *end) {
-    while (p < end && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')) p++;
-    return p;
-}
-
-/* p at an opening quote: the byte after the closing one, or NULL. */
-static const unsigned char *str_skip(const unsigned char *p, const unsigned char *end) {
-    const unsigned char *from = p + 1;
-    for (;;) {
-        const unsigned char *q = memchr(from, '"', (size_t)(end - from));
-        if (q == NULL) return NULL;
-        const unsigned char *r = q;
-        while (r > from && r[-1] == '\\') r--;
-        if (((q - r) & 1) == 0) return q + 1; /* an even run of backslashes escapes nothing */
-        from = q + 1;
-    }
-}
-
-/* Skip one JSON value (not validated: the caller's decoder does that). */
-static const unsigned char *value_skip(const unsigned char *p, const unsigned char *end) {
-    if (p >= end) return NULL;
-    if (*p == '"') return str_skip(p, end);
-    if (*p == '[' || *p == '{') {
-        Py_ssize_t depth = 0;
-        while (p < end) {
-            unsigned char c = *p;
-            if (c == '"') {
-                p = str_skip(p, end);
-                if (p == NULL) return NULL;
-                continue;
-            }
-            if (c == '[' || c == '{') depth++;
-            else if (c == ']' || c == '}') {
-                if (--depth == 0) return p + 1;
-            }
-            p++;
-        }
-        return NULL;
-    }
-    while (p < end && *p != ',' && *p != '}' && *p != ']' && *p != ' ' && *p != '\t' &&
-           *p != '\n' && *p != '\r')
-        p++;
-    return p;
-}
-
-/* json_array_span(body, key) -> (start, end) | None: body[start:end] is the value of the first
- * top-level member `key` of the JSON object `body` when that value is a flat array (no nested
- * array, object or string in it; its elements are not checked). None otherwise -- not an object,
- * no such key, another kind of value -- and the caller decodes the whole body the ordinary way. */
-static PyObject *json_array_span(PyObject *self, PyObject *args) {
-    Py_buffer view, key;
-    if (!PyArg_ParseTuple(args, "y*y*", &view, &key)) return NULL;
-    const unsigned char *start = (const unsigned char *)view.buf;
-    const unsigned char *end = start + view.len;
-    const unsigned char *p = ws_skip(start, end);
-    Py_ssize_t a = -1, b = -1;
-    if (p >= end || *p != '{') goto done;
-    p++;
-    for (;;) {
-        p = ws_skip(p, end);
-        if (p >= end || *p != '"') goto done;
-        const unsigned char *k = p + 1;
-        p = str_skip(p, end);
-        if (p == NULL) goto done;
-        Py_ssize_t klen = (p - 1) - k;
-        p = ws_skip(p, end);
-        if (p >= end || *p != ':') goto done;
-        p = ws_skip(p + 1, end);
-        if (klen == key.len && memcmp(k, key.buf, (size_t)klen) == 0) {
-            if (p < end && *p == '[') {
-                const unsigned char *q = memchr(p, ']', (size_t)(end - p));
-                size_t inner = q != NULL ? (size_t)(q - p - 1) : 0;
-                if (q != NULL && memchr(p + 1, '[', inner) == NULL &&
-                    memchr(p + 1, '{', inner) == NULL && memchr(p + 1, '"', inner) == NULL) {
-                    a = p - start;
-                    b = q + 1 - start;
-                }
-            }
-            goto done;
-        }
-        p = value_skip(p, end);
-        if (p == NULL) goto done;
-        p = ws_skip(p, end);
-        if (p >= end || *p != ',') goto done;
-        p++;
-    }
-done:
-    PyBuffer_Release(&view);
-    PyBuffer_Release(&key);
-    if (a < 0) Py_RETURN_NONE;
-    return Py_BuildValue("(nn)", a, b);
-}
-
 static PyMethodDef methods[] = {
     {"chain_hashes", chain_hashes, METH_VARARGS,
      "chain_hashes(token_ids, block_size, parent) -> list of the chained 64-bit hash of each full block"},
@@ -1002,10 +871,6 @@ static PyMethodDef methods[] = {
      "store_gpu(table, present, wbit, hashes, start, tokens, block_size, parent) -> stop index"},
     {"remove_gpu", remove_gpu, METH_VARARGS,
      "remove_gpu(table, emask, present, keep, hashes, start) -> stop index"},
-    {"counts_add", counts_add, METH_VARARGS,
-     "counts_add(counts, keys, delta): counts[k] += delta, dropping keys that reach <= 0"},
-    {"json_array_span", json_array_span, METH_VARARGS,
-     "json_array_span(json_object_bytes, key) -> (start, end) of the top-level key's array, or None"},
     {"walk_overlay", walk_overlay, METH_VARARGS,
      "walk_overlay(present, overlay, hashes, alive, nslots) -> (per-slot lengths, per-slot "
      "predicted blocks), or None past 64 slots"},

@@ -7,10 +7,14 @@ or ``bytes`` (32-byte digests); they are only ever compared within one worker.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 __all__ = [
     "CANONICAL_TIERS",
+    "DEFAULT_TIER_WEIGHTS",
+    "FULL_PREFIX_KINDS",
     "TIER_ALIASES",
     "AllBlocksCleared",
     "BlockRemoved",
@@ -18,6 +22,7 @@ __all__ = [
     "EngineHash",
     "Event",
     "EventBatch",
+    "ResumePoint",
     "canonical_tier",
 ]
 
@@ -25,6 +30,22 @@ EngineHash = int | bytes
 
 #: Fastest first. Scoring weights and "a block counts at its fastest tier" follow this order.
 CANONICAL_TIERS: tuple[str, ...] = ("GPU", "CPU_PINNED", "DISK", "EXTERNAL")
+
+#: Default scoring weight of a block per tier (a matched block saves that fraction of its
+#: prefill); unknown tiers are weighted like EXTERNAL.
+DEFAULT_TIER_WEIGHTS: dict[str, float] = {
+    "GPU": 1.0,
+    "CPU_PINNED": 0.8,
+    "DISK": 0.5,
+    "EXTERNAL": 0.3,
+}
+
+#: ``kv_cache_spec_kind`` values whose group keeps every block of a prefix. Blocks of other
+#: groups (sliding window, chunked local attention, Mamba state: partial prefixes) do not make a
+#: prefix present on their own; see ``indexer.index`` for the rule.
+FULL_PREFIX_KINDS: frozenset[str | None] = frozenset(
+    {None, "full_attention", "mla_attention", "cross_attention", "encoder_only_attention"}
+)
 
 TIER_ALIASES: dict[str, str] = {
     "GPU": "GPU",
@@ -67,12 +88,20 @@ class BlockStored(msgspec.Struct, frozen=True, tag=True, gc=False):
     medium: str | None = None
     lora_id: int | None = None
     lora_name: str | None = None
+    #: Per block, the engine's extra hash keys (LoRA, multimodal hashes, cache salt), or None when
+    #: no block has any (decoders normalize a list of nils to None).
+    extra_keys: list[Any] | None = None
+    #: The engine's KV cache group (hybrid models publish one stream of blocks per group).
+    group_idx: int = 0
+    #: None: full attention (decoders map the wire's "full_attention" to None).
+    kv_cache_spec_kind: str | None = None
 
 
 class BlockRemoved(msgspec.Struct, frozen=True, tag=True, gc=False):
     block_hashes: list[EngineHash]
     tier: str = "GPU"
     medium: str | None = None
+    group_idx: int = 0
 
 
 class AllBlocksCleared(msgspec.Struct, frozen=True, tag=True, gc=False):
@@ -92,3 +121,15 @@ class EventBatch(msgspec.Struct, frozen=True, gc=False):
     topic: bytes = b""
     #: Events of a type this decoder does not know: skipped, counted here.
     unknown_events: int = 0
+
+
+class ResumePoint(int):
+    """A worker rank's last applied seq (the int itself) and the ``ts`` of that batch, which
+    tells, on resume, whether the publisher still is the process that seq came from."""
+
+    ts: float | None
+
+    def __new__(cls, seq: int, ts: float | None = None) -> ResumePoint:
+        self = super().__new__(cls, seq)
+        self.ts = ts
+        return self

@@ -4,7 +4,8 @@ For every worker and dp rank it owns a SUB socket on the worker's event endpoint
 port + r), a socket monitor that says when that connection is up, and, while a replay runs, a
 DEALER on the replay endpoint (also base port + r). One asyncio task owns them all and is the only
 code that mutates the index; ``add_worker``/``remove_worker``/``restore_seqs`` are commands to it.
-What to do with each batch (apply, replay, skip, drop) is ``indexer.subscriber_stream``.
+What to do with each batch (apply, replay, skip, drop) is ``indexer.subscriber_stream`` (the
+rules) and ``indexer.subscriber_replay`` (replays, and telling a new publisher process).
 
 Sockets are plain pyzmq sockets driven from asyncio: each ``zmq.FD`` is registered with the loop,
 a ready socket is drained with ``NOBLOCK`` receives (bounded per round so one worker cannot starve
@@ -23,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from indexer.events import EventBatch
+from indexer.events import EventBatch, ResumePoint
+from indexer.subscriber_replay import ReplayLogic
 from indexer.subscriber_state import (
     SubscriberError,
     Watch,
@@ -32,7 +34,6 @@ from indexer.subscriber_state import (
     WorkerStats,
     rank_endpoint,
 )
-from indexer.subscriber_stream import StreamLogic
 from indexer.wire import decode_message
 
 if TYPE_CHECKING:
@@ -47,7 +48,7 @@ _MON_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 _NOBLOCK = int(zmq.NOBLOCK)  # a plain int skips pyzmq's per-call flag enum conversion
 
 
-class Subscriber(StreamLogic):
+class Subscriber(ReplayLogic):
     """Subscribes to every worker's KV event stream and applies it to ``index``."""
 
     def __init__(
@@ -59,6 +60,7 @@ class Subscriber(StreamLogic):
         clock: Callable[[], float] = time.time,
         rcvhwm: int = 100_000,
         max_buffered: int = 100_000,
+        max_message_bytes: int = 64 << 20,
     ) -> None:
         self._index = index
         self._own_ctx = context is None
@@ -67,6 +69,8 @@ class Subscriber(StreamLogic):
         self._clock = clock
         self._rcvhwm = rcvhwm
         self._max_buffered = max_buffered
+        # ZMQ_MAXMSGSIZE of publisher-facing sockets: a peer sending more is cut off unbuffered
+        self._max_message_bytes = max_message_bytes
         self._workers: dict[str, tuple[WorkerEndpoint, list[WorkerRank]]] = {}
         self._restored: dict[tuple[str, int], int] = {}
         self._ready: dict[Watch, None] = {}
@@ -116,35 +120,27 @@ class Subscriber(StreamLogic):
         await self._submit("remove", worker_id)
 
     def restore_seqs(self, seqs: Mapping[WorkerKey, int]) -> None:
-        """After ``PrefixIndex.restore``: resume each worker rank after its snapshotted seq.
-
-        A rank added later (or already added) replays from seq + 1; a gap the publisher can no
-        longer replay drops that rank's entries.
-        """
+        """After ``PrefixIndex.restore``: resume each rank (added now or later) at its snapshotted
+        seq, checked to come from the same publisher process (else its entries are rebuilt); a
+        gap the publisher can no longer replay drops that rank's entries."""
         self._post("restore", dict(seqs))
 
     def stats(self) -> dict[WorkerKey, WorkerStats]:
         """Per (worker_id, dp_rank) stats, refreshed from the index (the objects are live)."""
-        out: dict[WorkerKey, WorkerStats] = {}
-        for _, ranks in self._workers.values():
-            for r in ranks:
-                st = r.stats
-                st.last_seq = r.last if r.last >= 0 else None
-                st.replaying = r.replay is not None
-                try:
-                    ist = self._index.worker_stats(r.key)
-                    st.blocks_by_tier = dict(ist.blocks_by_tier)
-                    st.orphans = ist.orphans
-                    # The index counts events as it applies them; clears it did for us are not events.
-                    st.events_by_type = {
-                        "BlockStored": ist.stored_events,
-                        "BlockRemoved": ist.removed_events,
-                        "AllBlocksCleared": max(0, ist.cleared - r.clears),
-                    }
-                except Exception:  # the index owns that record; stats must never fail
-                    pass
-                out[r.key] = st
-        return out
+        return {
+            r.key: r.refreshed_stats(self._index)
+            for _, ranks in self._workers.values()
+            for r in ranks
+        }
+
+    def resume_points(self) -> dict[WorkerKey, ResumePoint]:
+        """Per worker rank: the last applied seq and its batch's ts, what a snapshot records."""
+        return {
+            r.key: ResumePoint(r.last, r.last_ts)
+            for _, ranks in self._workers.values()
+            for r in ranks
+            if r.last >= 0
+        }
 
     def workers(self) -> dict[str, WorkerEndpoint]:
         return {wid: ep for wid, (ep, _) in self._workers.items()}
@@ -223,9 +219,9 @@ class Subscriber(StreamLogic):
                 self._open_rank(r)
                 seq = self._restored.pop(r.key, None)
                 if seq is not None:
-                    r.last = seq
+                    r.last, r.last_ts = int(seq), getattr(seq, "ts", None)
                 if r.replay_ep is not None:
-                    self._start_replay(r, r.last + 1 if r.last >= 0 else 0, None, join=True)
+                    self._resume(r, join=True)
                 else:
                     r.stats.replay_done = True
         except Exception as exc:
@@ -242,7 +238,10 @@ class Subscriber(StreamLogic):
         if entry is not None:
             for r in entry[1]:
                 self._close_rank(r)
-            self._index.remove_worker(worker_id)
+        # also a worker known only from a restored snapshot
+        self._index.remove_worker(worker_id)
+        for key in [k for k in self._restored if k[0] == worker_id]:
+            del self._restored[key]
 
     # ------------------------------------------------------------------ sockets
 
@@ -252,6 +251,7 @@ class Subscriber(StreamLogic):
         r.sub = Watch(sub, self._drain_sub, r)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, self._rcvhwm)
+        sub.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         addr = f"inproc://kvrouter-subscriber-monitor-{id(self):x}-{next(self._mon_ids)}"
         sub.monitor(addr, _MON_EVENTS)
@@ -332,6 +332,8 @@ class Subscriber(StreamLogic):
                         continue
                     if more and not w.closed:
                         self._ready[w] = None
+                if self._index.max_entries:
+                    self._index.enforce_cap()
                 await asyncio.sleep(0)
             except asyncio.CancelledError:
                 raise
@@ -376,6 +378,7 @@ class Subscriber(StreamLogic):
             last_batch = batch
             if batch.seq == r.last + 1 and r.fast:
                 r.last = r.live_last = batch.seq
+                r.last_ts = batch.ts
                 try:
                     apply(wid, batch, dp_rank=rank)
                 except Exception as exc:

@@ -150,12 +150,16 @@ class Replay:
         "sent",
         "start",
         "target",
+        "verify",
     )
 
-    def __init__(self, start: int, target: int | None, join: bool) -> None:
+    def __init__(self, start: int, target: int | None, join: bool, verify: bool = False) -> None:
         self.start = start
         self.target = target
         self.join = join
+        #: The request starts at the last applied seq: its first reply must be that batch again
+        #: (same ``ts``), or the publisher is a new process (see ``StreamLogic``).
+        self.verify = verify
         #: Live batches received while replaying, applied after the replay.
         self.buffer: list[EventBatch] = []
         self.sent = False
@@ -179,6 +183,7 @@ class WorkerRank:
         "fast",
         "key",
         "last",
+        "last_ts",
         "live_last",
         "mon",
         "next_log",
@@ -202,6 +207,9 @@ class WorkerRank:
         self.dealer: Watch | None = None
         #: Last seq applied to the index (UNANCHORED: none yet and any first seq is fine).
         self.last = UNANCHORED
+        #: ``ts`` of the batch ``last`` names (None: not known): a publisher that replays another
+        #: batch under that seq is a new process.
+        self.last_ts: float | None = None
         #: Last seq received on the SUB socket; a live seq at or below it means a restart.
         self.live_last = -1
         self.replay: Replay | None = None
@@ -214,3 +222,23 @@ class WorkerRank:
         self.next_log = 0.0
         #: clear_worker calls made by the subscriber (the index counts them with AllBlocksCleared).
         self.clears = 0
+
+    def refreshed_stats(self, index: Any) -> WorkerStats:
+        """``stats`` with the seq state and the index's counters of this rank brought up to date
+        (``index``: the ``PrefixIndex``)."""
+        st = self.stats
+        st.last_seq = self.last if self.last >= 0 else None
+        st.replaying = self.replay is not None
+        try:
+            ist = index.worker_stats(self.key)
+            st.blocks_by_tier = dict(ist.blocks_by_tier)
+            st.orphans = ist.orphans
+            # The index counts events as it applies them; clears it did for us are not events.
+            st.events_by_type = {
+                "BlockStored": ist.stored_events,
+                "BlockRemoved": ist.removed_events,
+                "AllBlocksCleared": max(0, ist.cleared - self.clears),
+            }
+        except Exception:  # the index owns that record; stats must never fail
+            pass
+        return st

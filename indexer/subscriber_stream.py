@@ -1,7 +1,7 @@
 """The subscriber's sequence logic and replays: per worker rank, apply, replay, skip or drop.
 
 ``indexer.subscriber.Subscriber`` owns the sockets and the task and inherits this; every method
-here runs on that task and is synchronous. Rules (DESIGN §4):
+here runs on that task and is synchronous. Rules (docs/architecture.md §4):
 
 - live ``seq == last + 1``: apply. ``seq > last + 1``: a gap; replay ``[last + 1, seq)`` through
   the DEALER while live batches wait in a buffer, or, with no replay endpoint, drop the rank.
@@ -11,6 +11,12 @@ here runs on that task and is synchronous. Rules (DESIGN §4):
   of ``target - 1`` drops the rank's entries (``index.clear_worker``) and marks it untrusted.
 - after a replay, buffered live batches the replay already covered are skipped; nothing is
   applied twice, and a rank's batches are applied in seq order.
+- a new publisher process is detected on every (re)connect and snapshot resume, not only when a
+  live seq goes backwards: the replay then starts at the last *applied* seq, and its first reply
+  must be that same batch (same ``ts``). Another batch under that seq, a later seq, or no reply at
+  all means the process that seq came from is gone: the rank's entries are dropped and the new
+  process's stream is replayed from 0 (a restart, the rank stays trusted). Without a replay
+  endpoint only a live seq going backwards can show a restart.
 
 Trust rule: a rank whose entries were dropped because events were lost (a gap replay could not
 close, a replay timeout) is ``trusted=False`` until it applies, in order, a live batch newer than
@@ -20,7 +26,6 @@ leaves the rank trusted: its cache really is empty.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import struct
 import time
@@ -30,8 +35,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from indexer.events import EventBatch
-from indexer.subscriber_state import UNANCHORED, Replay, Watch, WorkerEndpoint, WorkerRank
-from indexer.wire import decode_payload, decode_replay_reply, encode_replay_request
+from indexer.subscriber_state import UNANCHORED, Watch, WorkerEndpoint, WorkerRank
 
 if TYPE_CHECKING:
     from indexer.index import PrefixIndex
@@ -54,6 +58,7 @@ class StreamLogic:
     _clock: Callable[[], float]
     _replay_timeout: float
     _max_buffered: int
+    _max_message_bytes: int
     _replaying: set[WorkerRank]
     _workers: dict[str, tuple[WorkerEndpoint, list[WorkerRank]]]
     _restored: dict[tuple[str, int], int]
@@ -64,8 +69,27 @@ class StreamLogic:
     def _close_watch(self, w: Watch | None) -> None:
         raise NotImplementedError
 
+    # implemented by ``subscriber_replay.ReplayLogic``
+    def _start_replay(
+        self, r: WorkerRank, start: int, target: int | None, *, join: bool, verify: bool = False
+    ) -> None:
+        raise NotImplementedError
+
+    def _abort_replay(self, r: WorkerRank) -> None:
+        raise NotImplementedError
+
+    def _finish_replay(self, r: WorkerRank, error: str | None) -> None:
+        raise NotImplementedError
+
+    def _send_replay(self, r: WorkerRank) -> None:
+        raise NotImplementedError
+
+    def _resume(self, r: WorkerRank, *, join: bool) -> None:
+        raise NotImplementedError
+
     def _apply(self, r: WorkerRank, batch: EventBatch) -> None:
         st = r.stats
+        r.last_ts = batch.ts
         try:
             self._index.apply_batch(r.worker_id, batch, dp_rank=r.rank)
         except Exception as exc:
@@ -123,7 +147,7 @@ class StreamLogic:
         st = r.stats
         st.restarts += 1
         st.trusted = True
-        r.last, r.live_last, r.trust_after = -1, batch.seq, -1
+        r.last, r.live_last, r.trust_after, r.last_ts = -1, batch.seq, -1, None
         _log.info("worker %s rank %d restarted (seq %d)", r.worker_id, r.rank, batch.seq)
         self._ordered(r, batch, None)
 
@@ -156,66 +180,6 @@ class StreamLogic:
             r.next_log = now + _LOG_EVERY_S
             _log.log(level, "worker %s rank %d: " + msg, r.worker_id, r.rank, *args)
 
-    def _start_replay(self, r: WorkerRank, start: int, target: int | None, *, join: bool) -> None:
-        r.replay = Replay(start, target, join)
-        r.fast = False
-        r.stats.replays += 1
-        if r.stats.connected:
-            self._send_replay(r)
-
-    def _on_replay_reply(
-        self, r: WorkerRank, rp: Replay, s: int, payload: bytes, topic: bytes
-    ) -> None:
-        if rp.lo is None:
-            rp.lo = s
-        rp.hi = s
-        if (rp.target is not None and s >= rp.target) or (r.last != UNANCHORED and s <= r.last):
-            return  # the live buffer has it / already applied
-        try:
-            batch = decode_payload(payload, seq=s, topic=topic)
-        except Exception as exc:  # WireError, or a decoder bug
-            self._malformed(r, exc)
-            return
-        if r.last == UNANCHORED:
-            r.last = s - 1  # joining: take what the publisher still buffers
-        elif s > r.last + 1:
-            if not rp.failed:
-                rp.failed = True
-                self._drop(r, f"replay is missing {r.last + 1}..{s - 1}")
-            r.last = s - 1
-        r.last = s
-        self._apply(r, batch)
-        r.stats.replayed += 1
-
-    def _abort_replay(self, r: WorkerRank) -> None:
-        if r.replay is not None and r.replay.join:
-            r.stats.replay_done = True
-        r.replay = None
-        self._replaying.discard(r)
-        self._close_watch(r.dealer)
-        r.dealer = None
-        r.fast = r.stats.trusted
-
-    def _finish_replay(self, r: WorkerRank, error: str | None) -> None:
-        rp = r.replay
-        if rp is None:
-            return
-        self._abort_replay(r)
-        target = rp.target
-        if error is None and target is not None and r.last < target - 1:
-            error = f"replay ended at {r.last}, needed up to {target - 1}"
-        if error is not None and not rp.failed and (r.last != UNANCHORED or not rp.join):
-            self._drop(r, error)
-        elif error is not None and not rp.failed:
-            r.stats.replay_failures += 1  # joining with nothing to drop
-            _log.warning("worker %s rank %d: %s", r.worker_id, r.rank, error)
-        if target is not None and r.last < target - 1:
-            r.last = target - 1
-        if r.last == UNANCHORED and error is None:
-            r.last = -1  # the publisher has sent nothing yet: its stream starts at 0
-        covered = None if rp.lo is None or rp.hi is None else (rp.lo, rp.hi)
-        self._replay_buffered(r, rp.buffer, covered)
-
     def _replay_buffered(
         self, r: WorkerRank, buffered: Iterable[EventBatch], covered: tuple[int, int] | None
     ) -> None:
@@ -227,72 +191,6 @@ class StreamLogic:
             self._ordered(r, batch, covered)
         r.fast = r.replay is None and r.stats.trusted
 
-    def _send_replay(self, r: WorkerRank) -> None:
-        rp = r.replay
-        assert rp is not None and r.replay_ep is not None
-        rp.sent = True
-        now = time.monotonic()
-        rp.deadline = now + self._replay_timeout
-        rp.hard_deadline = now + 10 * self._replay_timeout
-        self._replaying.add(r)
-        try:
-            dealer: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER, socket_class=zmq.Socket)
-            r.dealer = Watch(dealer, self._drain_replay, r)
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.connect(r.replay_ep)
-            asyncio.get_running_loop().add_reader(r.dealer.fd, self._on_fd, r.dealer)
-            dealer.send_multipart(encode_replay_request(rp.start), _NOBLOCK)
-        except (zmq.ZMQError, ValueError, OverflowError) as exc:
-            self._finish_replay(r, f"replay request failed: {exc}")
-            return
-        self._on_fd(r.dealer)
-
-    def _drain_replay(self, r: WorkerRank) -> bool:
-        rp = r.replay
-        if rp is None or r.dealer is None:
-            return False
-        recv = r.dealer.sock.recv_multipart
-        n = 0
-        while n < _DRAIN_CAP:
-            try:
-                frames = recv(_NOBLOCK)
-            except zmq.Again:
-                break
-            n += 1
-            try:
-                reply = decode_replay_reply(frames)
-            except Exception as exc:
-                self._malformed(r, exc)
-                continue
-            if reply.is_end:
-                self._finish_replay(r, None)
-                return False
-            try:
-                self._on_replay_reply(r, rp, reply.seq, reply.payload, reply.topic or b"")
-            except Exception as exc:
-                self._log_limited(r, logging.WARNING, "replay reply %d failed: %r", reply.seq, exc)
-                r.stats.apply_errors += 1
-            if r.replay is not rp:
-                return False
-        if n:
-            rp.deadline = time.monotonic() + self._replay_timeout
-            r.stats.last_message_at = self._clock()
-        return n == _DRAIN_CAP
-
-    def _check_deadlines(self) -> float | None:
-        now = time.monotonic()
-        nearest: float | None = None
-        for r in list(self._replaying):
-            rp = r.replay
-            if rp is None:
-                continue
-            due = min(rp.deadline, rp.hard_deadline)
-            if now >= due:
-                self._finish_replay(r, "replay timed out")
-            elif nearest is None or due - now < nearest:
-                nearest = due - now
-        return nearest
-
     def _on_connected(self, r: WorkerRank) -> None:
         r.stats.connected = True
         rp = r.replay
@@ -300,8 +198,9 @@ class StreamLogic:
             if not rp.sent:
                 self._send_replay(r)
         elif r.ever_connected and r.replay_ep is not None and r.last >= -1:
-            # Reconnected: ask for what was published while the connection was down.
-            self._start_replay(r, r.last + 1, None, join=False)
+            # Reconnected: ask for what was published while the connection was down, from a
+            # new process if that is what answers.
+            self._resume(r, join=False)
         r.ever_connected = True
 
     def _do_restore(self, seqs: dict[tuple[str, int], int]) -> None:
@@ -313,9 +212,24 @@ class StreamLogic:
                 continue
             if r.replay is not None:
                 self._abort_replay(r)
-            r.last, r.live_last = seq, -1
+            r.last, r.live_last, r.last_ts = int(seq), -1, getattr(seq, "ts", None)
             if r.replay_ep is not None:
-                self._start_replay(r, seq + 1, None, join=False)
+                self._resume(r, join=False)
+
+    def _redial(self, r: WorkerRank) -> None:
+        """Connect again ourselves: libzmq does not reconnect after a protocol error, and a
+        message over ZMQ_MAXMSGSIZE is one; a fresh connect retries like its own reconnect."""
+        if r.sub is None or r.sub.closed:
+            return
+        sock = r.sub.sock
+        try:
+            sock.disconnect(r.events_ep)
+        except zmq.ZMQError:
+            pass  # the session is gone already (a protocol error terminates it)
+        try:
+            sock.connect(r.events_ep)
+        except zmq.ZMQError as exc:
+            self._log_limited(r, logging.WARNING, "reconnect failed: %r", exc)
 
     def _drain_mon(self, r: WorkerRank) -> bool:
         sock = r.mon.sock  # type: ignore[union-attr]
@@ -331,4 +245,5 @@ class StreamLogic:
                 self._on_connected(r)
             elif event == zmq.EVENT_DISCONNECTED:
                 r.stats.connected = False
+                self._redial(r)
         return True

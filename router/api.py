@@ -8,16 +8,22 @@ may lie in, or omit, ``Content-Length``).
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+import asyncio
+import time
+from typing import Annotated, Any, TypeVar
 
 import msgspec
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from indexer.hashing import chain_hashes
 from indexer.hashing import chain_hashes_json as _hash_json
-from indexer.hashing import json_array_span as _array_span
-from router.errors import BadRequest, PayloadTooLarge, UnprocessableEntity
+from router.errors import BadRequest, PayloadTooLarge, RequestTimeout, UnprocessableEntity
 from router.settings import describe_validation_error
+
+try:  # the /route body scanner (router/_native.c); without it the whole body is decoded
+    from router._native import json_array_span as _array_span
+except ImportError:  # pragma: no cover - only where the extension could not be built
+    _array_span = None
 
 __all__ = [
     "CandidateOut",
@@ -43,6 +49,8 @@ class RouteRequest(msgspec.Struct):
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     lora_name: str | None = None
+    #: vLLM's per-request cache isolation: salted blocks match only requests with the same salt
+    cache_salt: str | None = None
     account: bool = False
 
 
@@ -55,6 +63,7 @@ class CompletionBody(msgspec.Struct):
     prompt: Any = None
     stream: bool = False
     lora_name: str | None = None
+    cache_salt: str | None = None
 
 
 class ChatBody(msgspec.Struct):
@@ -62,6 +71,7 @@ class ChatBody(msgspec.Struct):
     messages: list[dict[str, Any]] | None = None
     stream: bool = False
     lora_name: str | None = None
+    cache_salt: str | None = None
 
 
 class WorkerIn(msgspec.Struct, forbid_unknown_fields=True):
@@ -103,7 +113,9 @@ class RouteOut(msgspec.Struct, omit_defaults=True, gc=False):
 
 
 _decoders: dict[type, msgspec.json.Decoder[Any]] = {}
-_decode_token_list = msgspec.json.Decoder(list[int]).decode
+# token ids are non-negative and fit the engines' int64: anything else is the client's error
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+_decode_token_list = msgspec.json.Decoder(list[TokenId]).decode
 
 
 class JsonTokens:
@@ -119,7 +131,7 @@ class JsonTokens:
         self._list: list[int] | None = None
 
     def hashes(self, block_size: int, seed: int) -> list[int]:
-        if self._list is None and _hash_json is not None:
+        if self._list is None and _hash_json is not None:  # (declines ids out of int64 range)
             r = _hash_json(self.raw, block_size, seed)
             if r is not None and r[0]:  # no full block: decoding is as cheap, and needed anyway
                 self.count = r[1]
@@ -134,7 +146,8 @@ class JsonTokens:
                 key, problem = describe_validation_error(e)
                 at = "" if key == "<top level>" else key
                 raise UnprocessableEntity(f"token_ids{at}: {problem}") from e
-            except msgspec.DecodeError as e:  # cut out of the body by decode_route: not checked
+            except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:
+                # (cut out of the body by decode_route: not checked before)
                 raise BadRequest(f"request body is not valid JSON: token_ids: {e}") from e
             self.count = len(self._list)
         return self._list
@@ -179,21 +192,36 @@ def decode(body: bytes, typ: type[T]) -> T:
         if key == "<top level>":
             raise UnprocessableEntity(f"request body: {problem}") from e
         raise UnprocessableEntity(f"{key}: {problem}") from e
-    except msgspec.DecodeError as e:
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:
         raise BadRequest(f"request body is not valid JSON: {e}") from e
+    except RecursionError as e:
+        raise BadRequest("request body is nested too deeply") from e
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> bytes:
+    """The request body, at most ``limit`` bytes, all of it within ``timeout_s`` (a client that
+    stops half way gets 408 instead of holding its connection for ever)."""
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise PayloadTooLarge(f"request body of {length} bytes is over the {limit}-byte limit")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            msg = await asyncio.wait_for(request.receive(), max(deadline - time.monotonic(), 0))
+        except asyncio.TimeoutError as e:
+            raise RequestTimeout(f"request body not received within {timeout_s} s") from e
+        if msg["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        chunk = msg.get("body", b"")
         size += len(chunk)
         if size > limit:
             raise PayloadTooLarge(f"request body is over the {limit}-byte limit")
-        chunks.append(chunk)
+        if chunk:
+            chunks.append(chunk)
+        if not msg.get("more_body", False):
+            break
     if len(chunks) == 1:
         return chunks[0]
     return b"".join(chunks)

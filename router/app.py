@@ -24,8 +24,16 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from router.access import AccessLog
 from router.api import WorkerIn, decode, encode, read_body
-from router.errors import BadRequest, NotFound, RouterError, Unauthorized, error_response
+from router.errors import (
+    BadRequest,
+    Forbidden,
+    NotFound,
+    RouterError,
+    Unauthorized,
+    error_response,
+)
 from router.placement import route_answer
 from router.proxy import AsgiProxy
 from router.service import RouterState
@@ -47,9 +55,17 @@ def _state(request: Request) -> RouterState:
 
 
 def _require_admin(state: RouterState, request: Request) -> None:
+    """Admin endpoints (the worker registry: it lists internal endpoints, and a registration makes
+    the router call the URL it names) are closed unless an admin key is configured and given, or
+    the operator opened them explicitly (``admin_open``, for a trusted network)."""
     key = state.settings.admin_key
     if not key:
-        return
+        if state.settings.admin_open:
+            return
+        raise Forbidden(
+            "admin endpoints are closed: configure admin_key (or admin_open: true on a trusted "
+            "network)"
+        )
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not secrets.compare_digest(
         token.strip().encode(), key.encode()
@@ -61,10 +77,12 @@ def _require_admin(state: RouterState, request: Request) -> None:
 
 
 async def route(request: Request) -> Response:
-    """POST /route through the app: bodies with ``prompt``/``messages``, or any server other
-    than :mod:`router.http`'s (which answers ``token_ids`` bodies from the parser)."""
+    """POST /route: ``token_ids`` are answered without awaiting; ``prompt``/``messages`` may
+    wait for the tokenizer."""
     state = _state(request)
-    body = await read_body(request, state.settings.proxy.max_body_bytes)
+    body = await read_body(
+        request, state.settings.proxy.max_body_bytes, state.settings.server.body_timeout_s
+    )
     return Response(await route_answer(state, body), media_type=_JSON)
 
 
@@ -134,6 +152,7 @@ def _worker_view(state: RouterState, worker_id: str) -> dict[str, Any]:
 
 async def list_workers(request: Request) -> Response:
     state = _state(request)
+    _require_admin(state, request)
     return _json({"workers": [_worker_view(state, w) for w in state.registry.workers]})
 
 
@@ -219,6 +238,12 @@ async def _snapshots(state: RouterState) -> None:
 
 
 def create_app(settings: Settings) -> FastAPI:
+    discovery = None
+    if settings.kubernetes.discovery.enabled:  # workers from pods (the `k8s` extra)
+        from router.discovery import KubernetesDiscovery
+
+        discovery = KubernetesDiscovery(settings.kubernetes.discovery)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         p = settings.proxy
@@ -243,10 +268,13 @@ def create_app(settings: Settings) -> FastAPI:
                 await state.add_worker(w)
             configured = {w.id for w in settings.workers}
             for key in state.index.workers():  # restored ranks of workers no longer configured
-                if key[0] not in configured:
-                    state.index.remove_worker(key[0])
+                if key[0] not in configured:  # (the subscriber task drops them: one writer)
+                    await state.subscriber.remove_worker(key[0])
+            if discovery is not None:
+                tasks.append(asyncio.create_task(discovery.run(state), name="k8s-discovery"))
             tasks.append(asyncio.create_task(state.registry.run(state.upstream), name="health"))
             tasks.append(asyncio.create_task(_housekeeping(state), name="housekeeping"))
+            tasks.append(asyncio.create_task(state.check_tokenizer(), name="tokenizer-check"))
             if settings.snapshot.path:
                 tasks.append(asyncio.create_task(_snapshots(state), name="snapshots"))
             app.state.kv = state
@@ -268,6 +296,8 @@ def create_app(settings: Settings) -> FastAPI:
         redoc_url=None,
         openapi_url=None,
     )
+    app.state.settings = settings
+    app.add_middleware(AccessLog)
     app.add_exception_handler(RouterError, _router_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import socket
 import sys
 from collections.abc import Coroutine, Sequence
@@ -22,6 +23,8 @@ from router.errors import ConfigError
 from router.settings import Settings, load_settings
 
 __all__ = ["build_parser", "main", "settings_from_args"]
+
+log = logging.getLogger("kvrouter.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--admin-key", help="bearer key required by POST/DELETE /workers")
     p.add_argument("--tokenizer", help="byte | hf:<dir> | worker (default byte)")
     p.add_argument("--log-level", help="critical|error|warning|info|debug (default info)")
+    p.add_argument("--log-format", choices=("text", "json"), help="log lines (default text)")
     p.add_argument(
         "--worker",
         action="append",
@@ -55,11 +59,38 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         "admin_key": args.admin_key,
         "tokenizer": args.tokenizer,
         "log_level": args.log_level,
+        "log_format": args.log_format,
     }
     return load_settings(args.config, overrides=overrides, worker_specs=args.worker)
 
 
 class _Server(uvicorn.Server):
+    """uvicorn's server, plus the router's drain: the first SIGTERM turns ``/ready`` to 503 at
+    once and keeps the listener serving until no proxied request is in flight, at most
+    ``server.drain_grace_s``; then uvicorn's own graceful shutdown. A second signal stops now."""
+
+    def __init__(self, config: uvicorn.Config, app: Any, grace_s: float) -> None:
+        super().__init__(config)
+        self._app = app
+        self._grace_s = grace_s
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        kv = getattr(self._app.state, "kv", None)
+        if sig != signal.SIGTERM or kv is None or kv.draining or self._grace_s <= 0:
+            super().handle_exit(sig, frame)
+            return
+        kv.draining = True
+        log.info("SIGTERM: draining (/ready 503) for at most %.0f s", self._grace_s)
+        loop = asyncio.get_running_loop()
+        loop.call_soon_threadsafe(lambda: loop.create_task(self._drain(kv)))
+
+    async def _drain(self, kv: Any) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._grace_s
+        while kv.inflight > 0 and loop.time() < deadline and not self.should_exit:
+            await asyncio.sleep(0.05)  # polling the in-flight count: no event exists for it
+        self.should_exit = True
+
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         if not self.started:
@@ -90,19 +121,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=settings.log_level.upper() if settings.log_level != "trace" else "DEBUG",
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if settings.log_format == "json":
+        from router.access import JsonFormatter
+
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(JsonFormatter())
     # httpx logs every health check at INFO: keep it for debugging only
     if settings.log_level not in ("debug", "trace"):
         logging.getLogger("httpx").setLevel(logging.WARNING)
     from router.http import server_config
 
     config = server_config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        timeout_graceful_shutdown=5,
+        app, host=settings.host, port=settings.port, log_level=settings.log_level
     )
-    server = _Server(config)
+    server = _Server(config, app, settings.server.drain_grace_s)
     try:
         _run(server.serve())
     except KeyboardInterrupt:

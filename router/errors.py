@@ -15,18 +15,29 @@ __all__ = [
     "BadRequest",
     "ConfigError",
     "Conflict",
+    "Forbidden",
+    "GatewayTimeout",
     "NoHealthyWorker",
     "NotFound",
     "PayloadTooLarge",
+    "RequestTimeout",
     "RouterError",
     "TokenizeError",
     "TooManyRequests",
     "Unauthorized",
     "UnprocessableEntity",
     "UpstreamError",
+    "config_check",
     "error_json",
     "error_response",
 ]
+
+
+def config_check(cond: bool, key: str, msg: str) -> None:
+    # msgspec turns a ValueError raised in __post_init__ into a ValidationError carrying the path
+    # of the struct; naming the field here completes it ("... - at `$.scoring`").
+    if not cond:
+        raise ValueError(f"`{key}` {msg}")
 
 
 class RouterError(Exception):
@@ -61,6 +72,11 @@ class Unauthorized(RouterError):
     type = "authentication_error"
 
 
+class Forbidden(RouterError):
+    status = 403
+    type = "permission_error"
+
+
 class NotFound(RouterError):
     status = 404
     type = "not_found_error"
@@ -69,6 +85,11 @@ class NotFound(RouterError):
 class Conflict(RouterError):
     status = 409
     type = "conflict_error"
+
+
+class RequestTimeout(RouterError):
+    status = 408
+    type = "invalid_request_error"
 
 
 class PayloadTooLarge(RouterError):
@@ -93,14 +114,25 @@ class UpstreamError(RouterError):
     type = "upstream_error"
 
 
+class GatewayTimeout(RouterError):
+    """The chosen worker sent no response head in time (it may have the request: no retry)."""
+
+    status = 504
+    type = "upstream_error"
+
+
 class TokenizeError(RouterError):
     status = 400
     type = "invalid_request_error"
 
 
 class _ErrorDetail(msgspec.Struct):
+    """OpenAI's error object: clients parse ``param`` and ``code`` too (null when not known)."""
+
     message: str
     type: str
+    param: str | None = None
+    code: str | None = None
 
 
 class _ErrorBody(msgspec.Struct):
@@ -111,7 +143,7 @@ _encode = msgspec.json.Encoder().encode
 
 
 def error_json(message: str, type_: str) -> bytes:
-    """The body of every error answer: ``{"error": {"message", "type"}}``."""
+    """The body of every error answer: ``{"error": {"message", "type", "param", "code"}}``."""
     return _encode(_ErrorBody(_ErrorDetail(message, type_)))
 
 

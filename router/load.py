@@ -63,7 +63,7 @@ class Ticket:
 
 
 def _py_counts_add(d: dict[int, int], hashes: Sequence[int], delta: int) -> None:
-    """Python twin of ``indexer._chash.counts_add``."""
+    """Python twin of ``router._native.counts_add``."""
     for h in hashes:
         c = d.get(h, 0) + delta
         if c > 0:
@@ -73,7 +73,7 @@ def _py_counts_add(d: dict[int, int], hashes: Sequence[int], delta: int) -> None
 
 
 try:  # a proxied request adds and removes its ~10^2 blocks twice: in C, ~5x less time
-    from indexer._chash import counts_add as _counts_add
+    from router._native import counts_add as _counts_add
 except ImportError:  # pragma: no cover - only where the extension could not be built
     _counts_add = _py_counts_add
 

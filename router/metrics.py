@@ -6,7 +6,7 @@ module's own light families, not ``prometheus_client``'s: everything here runs o
 so no lock is needed, and a histogram observation is a ``bisect`` and two adds (~0.2 µs, against
 ~1.5 µs, several times that on cold caches, for ``prometheus_client``'s locked Python loop over
 the buckets); the exposition is the same. Event-plane and index
-state (events by type and tier, malformed, orphans, gaps, replays, lag, blocks per tier, worker
+state (events by type, malformed, orphans, gaps, replays, lag, blocks per tier, worker
 health) is read at scrape time by :class:`StateCollector` from the subscriber's and index's own
 counters, on the event loop (``/metrics`` is an async handler), so nothing is counted twice.
 """
@@ -26,7 +26,32 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-__all__ = ["RouterMetrics", "StateCollector", "WorkerSample"]
+from indexer.index.native import BACKENDS as NATIVE_BACKENDS
+
+__all__ = ["RouterMetrics", "StateCollector", "WorkerSample", "register_process_metrics"]
+
+
+def register_process_metrics(registry: CollectorRegistry) -> None:
+    """``process_*`` (CPU, memory, fds: prometheus_client's collector) and
+    ``kvrouter_build_info`` (version and Python, value 1) on the router's registry."""
+    import platform
+    from importlib import metadata
+
+    from prometheus_client import Gauge, ProcessCollector
+
+    try:
+        version = metadata.version("kvrouter")
+    except metadata.PackageNotFoundError:  # run from a source tree that was not installed
+        version = "unknown"
+    ProcessCollector(registry=registry)
+    info = Gauge(
+        "kvrouter_build_info",
+        "1, labelled with the running kvrouter version and Python version",
+        ["version", "python"],
+        registry=registry,
+    )
+    info.labels(version, platform.python_version()).set(1)
+
 
 _LATENCY_BUCKETS = (
     50e-6,
@@ -68,12 +93,18 @@ class WorkerSample:
 _SUB_COUNTERS = (
     ("messages", "event messages received"),
     ("malformed", "malformed event messages dropped"),
-    ("orphans", "stored blocks whose parent was unknown (dropped)"),
     ("gaps", "sequence gaps detected"),
     ("replays", "replay requests sent"),
     ("replay_failures", "replays that could not close a gap (worker index dropped)"),
-    ("restarts", "publisher restarts detected (sequence went backwards)"),
+    ("restarts", "publisher restarts detected (seq went backwards, or a resume met a new process)"),
     ("unknown_events", "events of unknown type skipped"),
+)
+
+#: Per worker rank counters of the index itself (``indexer.index.WorkerIndexStats``).
+_INDEX_COUNTERS = (
+    ("duplicate_stores", "stores of a block already held on that tier (each needs a removal)"),
+    ("partial_group_events", "events of sliding-window or Mamba KV groups (not applied)"),
+    ("evicted_entries", "entries evicted by max_index_entries, least recently matched first"),
 )
 
 
@@ -106,8 +137,8 @@ class StateCollector(Collector):
         )
         events = CounterMetricFamily(
             "kvrouter_events_applied",
-            "KV events applied to the index, by type and tier",
-            labels=[*labels, "type", "tier"],
+            "KV events applied to the index, by type (the index counts them per rank, not per tier)",
+            labels=[*labels, "type"],
         )
         counters = {
             name: CounterMetricFamily(f"kvrouter_events_{name}", doc, labels=labels)
@@ -123,6 +154,17 @@ class StateCollector(Collector):
             "blocks dropped because their parent was unknown",
             labels=labels,
         )
+        idx_counters = {
+            name: CounterMetricFamily(f"kvrouter_index_{name}", doc, labels=labels)
+            for name, doc in _INDEX_COUNTERS
+        }
+        native = GaugeMetricFamily(
+            "kvrouter_index_native",
+            "1 for the implementation (c or python) each hot loop of the index runs",
+            labels=["concern", "backend"],
+        )
+        for concern, backend in sorted(NATIVE_BACKENDS.items()):
+            native.add_metric([concern, backend], 1.0)
         seen_workers: set[str] = set()
         for s in self._sample():
             lv = [s.worker_id, str(s.dp_rank)]
@@ -142,10 +184,8 @@ class StateCollector(Collector):
                 seq = getattr(st, "last_seq", None)
                 if seq is not None and seq >= 0:
                     last_seq.add_metric(lv, float(seq))
-                for key, n in (getattr(st, "events_by_type", None) or {}).items():
-                    # "BlockStored" or "BlockStored:DISK" (type and tier)
-                    typ, _, tier = str(key).partition(":")
-                    events.add_metric([*lv, typ, tier], float(n))
+                for typ, n in (getattr(st, "events_by_type", None) or {}).items():
+                    events.add_metric([*lv, str(typ)], float(n))
                 for name, _doc in _SUB_COUNTERS:
                     counters[name].add_metric(lv, float(getattr(st, name, 0) or 0))
             ix = s.index
@@ -153,6 +193,8 @@ class StateCollector(Collector):
                 for tier, n in ix.blocks_by_tier.items():
                     blocks.add_metric([*lv, tier], float(n))
                 idx_orphans.add_metric(lv, float(getattr(ix, "orphan_blocks", 0)))
+                for name, _doc in _INDEX_COUNTERS:
+                    idx_counters[name].add_metric(lv, float(getattr(ix, name, 0)))
         yield healthy
         yield stale
         yield connected
@@ -162,6 +204,8 @@ class StateCollector(Collector):
         yield from counters.values()
         yield blocks
         yield idx_orphans
+        yield from idx_counters.values()
+        yield native
 
 
 class _Value:

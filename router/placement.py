@@ -1,9 +1,8 @@
 """``POST /route``: the placement answer.
 
 The answer is built from msgspec Structs and encoded once. A body with ``token_ids`` is answered
-without awaiting (:func:`route_answer_now`), so :mod:`router.http` serves it straight from the
-HTTP parser; one with ``prompt`` or ``messages`` may wait for a tokenizer and goes through the
-app (:func:`route_answer`).
+without awaiting (:func:`route_answer_now`); one with ``prompt`` or ``messages`` may wait for a
+tokenizer (:func:`route_answer`).
 """
 
 from __future__ import annotations
@@ -57,7 +56,7 @@ async def route_answer(state: RouterState, body: bytes) -> bytes:
 def _answer(
     state: RouterState, req: RouteRequest, tokens: list[int] | JsonTokens, t0: float
 ) -> bytes:
-    d = state.place(tokens, req.model, req.lora_name)
+    d = state.place(tokens, req.model, req.lora_name, req.cache_salt)
     if not d.order:
         raise NoHealthyWorker("no healthy worker for this request")
     best = d.order[0]

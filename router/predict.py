@@ -1,4 +1,4 @@
-"""Predicted blocks against herding (DESIGN §5): router-owned, event-loop-only.
+"""Predicted blocks against herding (docs/architecture.md §5): router-owned, event-loop-only.
 
 Requests that share a new prefix arrive before any KV event about it. After a request is routed,
 its router block hashes are recorded as *predicted* on the chosen worker rank for ``ttl_s``; the

@@ -12,9 +12,8 @@
   and as active until the response ends; ``usage.prompt_tokens_details.cached_tokens`` (the final
   usage chunk when streaming, if the client asked for one) is compared with the prediction.
 
-:func:`proxy_request` writes through a :class:`Responder`. :mod:`router.http` implements one on
-the transport (a whole answer in one write: the client wakes once); :class:`AsgiProxy` is the
-ASGI form, for the app served by any other ASGI server.
+:func:`proxy_request` writes through a :class:`Responder`; :class:`AsgiProxy` is its ASGI form,
+the endpoint the app mounts.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -40,20 +40,22 @@ from router.api import (
 )
 from router.errors import (
     BadRequest,
+    GatewayTimeout,
     NoHealthyWorker,
     RouterError,
     TooManyRequests,
     error_json,
 )
+from router.errors import UpstreamError as BadGateway
 from router.service import Decision, RouterState
-from router.upstream import ConnectError, UpstreamError, UpstreamResponse
+from router.upstream import ConnectError, ReadTimeout, UpstreamError, UpstreamResponse
 
 __all__ = ["AsgiProxy", "Responder", "proxy_request"]
 
 log = logging.getLogger("kvrouter.proxy")
 
 _FORWARD_HEADERS = ("authorization", "accept", "x-request-id", "traceparent", "tracestate")
-_RETRY_STATUSES = frozenset((502, 503, 504))
+_SAFE_VALUE = re.compile(r"[\x20-\x7e]{1,256}")
 Headers = list[tuple[bytes, bytes]]
 
 
@@ -217,7 +219,7 @@ async def proxy_request(
     if state.inflight >= s.max_inflight:
         raise TooManyRequests(f"over max_inflight ({s.max_inflight} requests in flight)")
     req, tokens, stream = await _tokens(state, endpoint, body)
-    d = state.place(tokens, req.model, req.lora_name)
+    d = state.place(tokens, req.model, req.lora_name, req.cache_salt)
     if not d.order:
         raise NoHealthyWorker("no healthy worker for this request")
     path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
@@ -230,7 +232,7 @@ async def proxy_request(
     errors: list[str] = []
     attempts = d.order[: 1 + s.retries]
     try:
-        for n, i in enumerate(attempts):
+        for i in attempts:
             ws = d.states[i]
             cand = d.candidates[i]
             headers = fwd
@@ -242,20 +244,22 @@ async def proxy_request(
             except asyncio.CancelledError:
                 flight.done("client_disconnect")
                 raise
-            except UpstreamError as e:
+            except ConnectError as e:  # nothing reached the worker: the next one may take it
                 flight.done("upstream_error")
                 reason = type(e).__name__
                 errors.append(f"{ws.id}: {reason}: {e}")
-                state.registry.mark_failure(ws.id, f"proxy: {e}", now=isinstance(e, ConnectError))
+                state.registry.mark_failure(ws.id, f"proxy: {e}", now=True)
                 state.metrics.retries.labels(ws.id, reason).inc()
                 continue
-            if resp.status_code in _RETRY_STATUSES and n + 1 < len(attempts):
-                flight.done(str(resp.status_code))
-                errors.append(f"{ws.id}: HTTP {resp.status_code}")
-                state.metrics.retries.labels(ws.id, str(resp.status_code)).inc()
-                continue
+            except UpstreamError as e:
+                # the worker may have the request: never send a second copy anywhere
+                flight.done("upstream_error")
+                state.registry.mark_failure(ws.id, f"proxy: {e}", now=False)
+                if isinstance(e, ReadTimeout):
+                    raise GatewayTimeout(f"worker {ws.id}: {type(e).__name__}: {e}") from e
+                raise BadGateway(f"worker {ws.id} failed: {type(e).__name__}: {e}") from e
             out_headers: Headers = [
-                (b"content-type", (resp.header("content-type") or _default_type(content)).encode()),
+                (b"content-type", _content_type(resp.header("content-type"), content)),
                 (b"x-kvrouter-worker", ws.id.encode()),
                 (b"x-kvrouter-cached-blocks", str(cand.matched_blocks).encode()),
             ]
@@ -275,8 +279,12 @@ async def proxy_request(
         state.inflight -= 1
 
 
-def _default_type(content: bytes | None) -> str:
-    return "text/event-stream" if content is None else "application/json"
+def _content_type(upstream: str | None, content: bytes | None) -> bytes:
+    """The worker's content type when it is a plain token (no CR, LF or other control bytes can
+    reach the client's head), else what the endpoint answers."""
+    if upstream is not None and _SAFE_VALUE.fullmatch(upstream):
+        return upstream.encode("ascii")
+    return b"text/event-stream" if content is None else b"application/json"
 
 
 async def _stream(
@@ -345,7 +353,8 @@ class AsgiProxy:
         out = _AsgiOut(send)
         request = Request(scope, receive)
         try:
-            body = await read_body(request, state.settings.proxy.max_body_bytes)
+            s = state.settings
+            body = await read_body(request, s.proxy.max_body_bytes, s.server.body_timeout_s)
             task = asyncio.ensure_future(
                 proxy_request(state, self.endpoint, body, request.headers.get, out, t0)
             )

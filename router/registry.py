@@ -20,6 +20,7 @@ from collections.abc import Iterable
 
 import msgspec
 
+from indexer.index import WorkerKey
 from router.errors import NotFound
 from router.scoring import ScrapedLoad, worker_hash
 from router.settings import HealthSettings, WorkerConfig
@@ -29,7 +30,6 @@ __all__ = ["Registry", "WorkerState", "parse_load_metrics"]
 
 log = logging.getLogger("kvrouter.registry")
 _REDISCOVER_S = 30.0
-WorkerKey = tuple[str, int]
 
 # name -> field of ScrapedLoad; values of one name are summed over label sets
 _LOAD_METRICS = {

@@ -1,4 +1,4 @@
-"""Worker scoring (DESIGN §5): pure functions, no I/O, no clocks, no global state.
+"""Worker scoring (docs/architecture.md §5): pure functions, no I/O, no clocks, no global state.
 
 For a request of ``n`` full blocks and each candidate worker rank ``w``::
 
@@ -10,7 +10,7 @@ on ``w`` hold (a shared prefix: chained hashes make it a leading run) are neithe
 new memory for it: they are taken off ``inflight_prefill`` (up to what is in flight) and off
 ``active_blocks``. Without that, a prefix being prefilled on ``w`` would be charged twice — as
 queued work and as missing credit — and concurrent requests sharing a new prefix would scatter
-over every idle worker, each recomputing it (herding, DESIGN §5).
+over every idle worker, each recomputing it (herding, docs/architecture.md §5).
 
 ``scraped(w)`` blends the worker's own ``/metrics`` (requests running / waiting, KV usage) when
 weights for them are configured. The minimum cost wins; ties break on less load, then a stable hash
@@ -67,7 +67,7 @@ class ScoreWeights(msgspec.Struct, frozen=True):
     kv_usage_weight: float = 0.0
 
     def tier_weight(self, tier: str) -> float:
-        """Unknown tiers are scored like EXTERNAL (DESIGN §2), never like GPU."""
+        """Unknown tiers are scored like EXTERNAL (docs/architecture.md §2), never like GPU."""
         w = self.tier_weights.get(tier)
         if w is None:
             w = self.tier_weights.get("EXTERNAL", 0.3)

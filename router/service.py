@@ -22,18 +22,18 @@ from collections.abc import Mapping, Sequence
 import httpx
 from prometheus_client import CollectorRegistry
 
-from indexer.hashing import namespace_seed
+from indexer.hashing import request_seed
 from indexer.index import IndexError_, PrefixIndex, WorkerKey, WorkerMatch
 from indexer.subscriber import Subscriber, WorkerEndpoint
 from router.api import JsonTokens
 from router.errors import BadRequest, Conflict, NoHealthyWorker, NotFound
 from router.load import LoadTracker, RouteAccounts, Ticket
-from router.metrics import RouterMetrics, StateCollector, WorkerSample
+from router.metrics import RouterMetrics, StateCollector, WorkerSample, register_process_metrics
 from router.predict import PredictedBlocks
 from router.registry import Registry, WorkerState
 from router.scoring import Candidate, ScoreWeights, rank
 from router.settings import Settings, WorkerConfig
-from router.tokenize import Tokenizer, make_tokenizer
+from router.tokenize import Tokenizer, byte_tokenizer_warning, make_tokenizer
 from router.upstream import UpstreamPool
 
 __all__ = ["Decision", "RouterState"]
@@ -94,15 +94,20 @@ class RouterState:
         self.settings = settings
         self.client = client  # cold paths: health checks, scraping, /tokenize
         p = settings.proxy
+        self.draining = False  # SIGTERM: /ready answers 503 while in-flight requests finish
         self.upstream = UpstreamPool(  # the proxy's hot path
             connect_s=p.connect_timeout_s,
             read_s=p.read_timeout_s,
             write_s=p.write_timeout_s,
             max_idle_per_origin=p.max_connections,
+            max_body_bytes=p.max_response_bytes,
         )
         self.index, seqs = load_index(settings)
+        self.index.set_cap(settings.max_index_entries)
         self.subscriber = Subscriber(
-            self.index, replay_timeout=settings.subscriber.replay_timeout_s
+            self.index,
+            replay_timeout=settings.subscriber.replay_timeout_s,
+            max_message_bytes=settings.subscriber.max_message_bytes,
         )
         if seqs:  # resume each worker rank after its snapshotted seq (replay closes the gap)
             self.subscriber.restore_seqs(seqs)
@@ -125,6 +130,7 @@ class RouterState:
         self.prom = CollectorRegistry(auto_describe=True)
         self.metrics = RouterMetrics(self.prom)
         self.prom.register(StateCollector(self._samples))
+        register_process_metrics(self.prom)
         self.tokenizer: Tokenizer = make_tokenizer(
             settings.tokenizer, client=client, pick=self.pick_tokenize_worker
         )
@@ -136,8 +142,7 @@ class RouterState:
     async def add_worker(self, cfg: WorkerConfig, *, dynamic: bool = False) -> WorkerState:
         if cfg.id in self.registry:
             raise Conflict(f"worker {cfg.id!r} is already registered")
-        for r in range(cfg.dp_ranks):
-            self.index.add_worker(cfg.id, r, model=cfg.model)
+        # the index learns the worker from the subscriber task, its only writer
         st = self.registry.add(cfg, dynamic=dynamic)
         ep = WorkerEndpoint(
             worker_id=cfg.id,
@@ -150,7 +155,6 @@ class RouterState:
             await self.subscriber.add_worker(ep)
         except Exception as e:
             self.registry.remove(cfg.id)
-            self.index.remove_worker(cfg.id)
             raise BadRequest(f"cannot subscribe to worker {cfg.id!r}: {e}") from e
         return st
 
@@ -164,15 +168,38 @@ class RouterState:
             except KeyError:
                 pass
         self.registry.remove(worker_id)
-        await self.subscriber.remove_worker(worker_id)
-        self.index.remove_worker(worker_id)
+        await self.subscriber.remove_worker(worker_id)  # and, on its task, from the index
         self.accounts.drop_worker(worker_id)
         self.load.drop_worker(worker_id)
         self.metrics.forget_worker(worker_id)
 
+    async def check_tokenizer(self) -> None:
+        """Warn once per worker whose engine has its own vocabulary while text is tokenized as
+        bytes (see ``router.tokenize.byte_tokenizer_warning``). Runs once, at start."""
+        if self.settings.tokenizer != "byte":
+            return
+        for st in list(self.registry.workers.values()):
+            try:
+                resp = await self.client.get(st.url.rstrip("/") + "/v1/models")
+            except httpx.HTTPError:
+                continue
+            msg = byte_tokenizer_warning("byte", st.id, resp.content)
+            if msg is not None:
+                log.warning("%s", msg)
+
     def ready(self) -> tuple[bool, list[str]]:
+        """Readiness: not draining, and at least one healthy worker whose event stream is live
+        (one stuck worker must not take every replica out of its Service); also the workers
+        still waiting for their stream, for the operator."""
         waiting = [w for w in self.registry.workers if not self.subscriber.worker_ready(w)]
-        return not waiting, waiting
+        if self.draining:
+            return False, ["draining"]
+        live = any(st.healthy and st.id not in waiting for st in self.registry.workers.values())
+        return live, waiting
+
+    def all_ready(self) -> bool:
+        """Every configured worker's event stream is connected and replayed."""
+        return all(self.subscriber.worker_ready(w) for w in self.registry.workers)
 
     def pick_tokenize_worker(self, model: str | None) -> tuple[str, str]:
         for st in self.registry.candidates(model):
@@ -204,6 +231,7 @@ class RouterState:
         token_ids: Sequence[int] | JsonTokens,
         model: str | None = None,
         lora_name: str | None = None,
+        cache_salt: str | None = None,
     ) -> Decision:
         """Score every rank that may serve ``model``. Raises :class:`NotFound` for an unknown
         model; an empty ``order`` means no healthy worker (the caller answers 503)."""
@@ -224,10 +252,12 @@ class RouterState:
             if entry is None:
                 try:
                     if isinstance(token_ids, JsonTokens):
-                        seed = namespace_seed(ns, lora_name)
+                        seed = request_seed(ns, lora_name, cache_salt)
                         hashes = token_ids.hashes(index.block_size, seed)
                     else:
-                        hashes = index.request_hashes(token_ids, model=ns, lora_name=lora_name)
+                        hashes = index.request_hashes(
+                            token_ids, model=ns, lora_name=lora_name, cache_salt=cache_salt
+                        )
                 except (TypeError, OverflowError, ValueError) as e:
                     raise BadRequest(f"token_ids: {e}") from e
                 # a request that meets no prediction keeps the index's fast path
@@ -310,10 +340,8 @@ class RouterState:
         path = self.settings.snapshot.path
         if not path:
             return
-        stats = self.subscriber.stats()
-        seqs = {k: st.last_seq for k, st in stats.items() if st.last_seq is not None}
         try:
-            self.index.snapshot(path, seqs)
+            self.index.snapshot(path, self.subscriber.resume_points())
         except OSError as e:
             log.warning("index snapshot to %s failed: %s", path, e)
 

@@ -17,14 +17,20 @@ from typing import Any
 import msgspec
 import yaml
 
+from indexer.events import DEFAULT_TIER_WEIGHTS
 from router.errors import ConfigError
+from router.errors import config_check as _check
+from router.settings_k8s import DiscoverySettings, KubernetesSettings
 
 __all__ = [
     "DEFAULT_TIER_WEIGHTS",
+    "DiscoverySettings",
     "HealthSettings",
+    "KubernetesSettings",
     "ProxySettings",
     "RouteSettings",
     "ScoringSettings",
+    "ServerSettings",
     "Settings",
     "SnapshotSettings",
     "SubscriberSettings",
@@ -33,21 +39,9 @@ __all__ = [
     "parse_worker_spec",
 ]
 
-DEFAULT_TIER_WEIGHTS: dict[str, float] = {
-    "GPU": 1.0,
-    "CPU_PINNED": 0.8,
-    "DISK": 0.5,
-    "EXTERNAL": 0.3,
-}
 
 ENV_PREFIX = "KVROUTER_"
-
-
-def _check(cond: bool, key: str, msg: str) -> None:
-    # msgspec turns a ValueError raised in __post_init__ into a ValidationError carrying the path
-    # of the struct; naming the field here completes it ("... - at `$.scoring`").
-    if not cond:
-        raise ValueError(f"`{key}` {msg}")
+_WORKER_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -62,8 +56,12 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     model: str = ""
 
     def __post_init__(self) -> None:
-        ok_id = bool(self.id) and "," not in self.id and "/" not in self.id
-        _check(ok_id, "id", "must be a non-empty name without ',' or '/'")
+        # ids reach response headers (x-kvrouter-worker), metric labels and URLs: a strict charset
+        _check(
+            _WORKER_ID.fullmatch(self.id) is not None,
+            "id",
+            "must be 1-128 characters of A-Z a-z 0-9 . _ : -",
+        )
         _check(self.url.startswith(("http://", "https://")), "url", "must be an http(s) URL")
         for key in ("events_endpoint", "replay_endpoint"):
             ep = getattr(self, key)
@@ -81,6 +79,7 @@ class ProxySettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     retries: int = 2
     max_inflight: int = 1024
     max_body_bytes: int = 8 * 1024 * 1024
+    max_response_bytes: int = 64 * 1024 * 1024
     connect_timeout_s: float = 2.0
     read_timeout_s: float = 600.0
     write_timeout_s: float = 30.0
@@ -91,9 +90,27 @@ class ProxySettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         _check(0 <= self.retries <= 16, "retries", "must be between 0 and 16")
         _check(self.max_inflight >= 1, "max_inflight", "must be >= 1")
         _check(self.max_body_bytes >= 1024, "max_body_bytes", "must be >= 1024")
+        _check(self.max_response_bytes >= 1024, "max_response_bytes", "must be >= 1024")
         _check(self.max_connections >= 1, "max_connections", "must be >= 1")
         for k in ("connect_timeout_s", "read_timeout_s", "write_timeout_s", "pool_timeout_s"):
             _check(getattr(self, k) > 0, k, "must be > 0")
+
+
+class ServerSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    http: str = "h11"
+    max_connections: int = 2048
+    keep_alive_timeout_s: float = 5.0
+    max_header_bytes: int = 65536
+    body_timeout_s: float = 30.0
+    drain_grace_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        _check(self.http in ("h11", "httptools"), "http", "must be h11 or httptools")
+        _check(self.max_connections >= 1, "max_connections", "must be >= 1")
+        _check(self.max_header_bytes >= 1024, "max_header_bytes", "must be >= 1024")
+        for k in ("keep_alive_timeout_s", "body_timeout_s"):
+            _check(getattr(self, k) > 0, k, "must be > 0")
+        _check(self.drain_grace_s >= 0, "drain_grace_s", "must be >= 0")
 
 
 class HealthSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -166,9 +183,11 @@ class RouteSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 class SubscriberSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     replay_timeout_s: float = 2.0
+    max_message_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         _check(self.replay_timeout_s > 0, "replay_timeout_s", "must be > 0")
+        _check(self.max_message_bytes > 0, "max_message_bytes", "must be > 0")
 
 
 class SnapshotSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -183,20 +202,27 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     host: str = "127.0.0.1"
     port: int = 8000
     block_size: int = 16
+    max_index_entries: int = 0
     admin_key: str | None = None
+    admin_open: bool = False
     tokenizer: str = "byte"
     log_level: str = "info"
+    log_format: str = "text"
+    server: ServerSettings = msgspec.field(default_factory=ServerSettings)
     proxy: ProxySettings = msgspec.field(default_factory=ProxySettings)
     health: HealthSettings = msgspec.field(default_factory=HealthSettings)
     scoring: ScoringSettings = msgspec.field(default_factory=ScoringSettings)
     route: RouteSettings = msgspec.field(default_factory=RouteSettings)
     subscriber: SubscriberSettings = msgspec.field(default_factory=SubscriberSettings)
     snapshot: SnapshotSettings = msgspec.field(default_factory=SnapshotSettings)
+    kubernetes: KubernetesSettings = msgspec.field(default_factory=KubernetesSettings)
     workers: list[WorkerConfig] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, "port", "must be between 0 and 65535")
+        _check(self.log_format in ("text", "json"), "log_format", "must be text or json")
         _check(1 <= self.block_size <= 4096, "block_size", "must be between 1 and 4096")
+        _check(self.max_index_entries >= 0, "max_index_entries", "must be >= 0")
         _check(
             self.tokenizer in ("byte", "worker") or self.tokenizer.startswith("hf:"),
             "tokenizer",

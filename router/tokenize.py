@@ -31,6 +31,7 @@ __all__ = [
     "HFTokenizer",
     "Tokenizer",
     "WorkerTokenizer",
+    "byte_tokenizer_warning",
     "make_tokenizer",
     "message_text",
     "render_byte_chat",
@@ -231,6 +232,41 @@ class WorkerTokenizer:
         self, messages: list[dict[str, Any]], model: str | None = None
     ) -> list[int]:
         return await self._call({"messages": messages, "add_generation_prompt": True}, model)
+
+
+#: ``owned_by`` of ``/v1/models`` for engines with their own vocabulary: byte token ids (0..255)
+#: never equal theirs, so the byte tokenizer makes every text request miss their cache.
+_OWN_VOCAB_ENGINES = frozenset({"vllm", "sglang"})
+
+
+class _Model(msgspec.Struct):
+    owned_by: str = ""
+
+
+class _Models(msgspec.Struct):
+    data: list[_Model] = []
+
+
+_decode_models = msgspec.json.Decoder(_Models).decode
+
+
+def byte_tokenizer_warning(spec: str, worker_id: str, models_body: bytes) -> str | None:
+    """The warning for a worker whose ``/v1/models`` says it is vLLM or SGLang while the router
+    tokenizes text as bytes (text requests could never match its blocks); None when fine."""
+    if spec != "byte":
+        return None
+    try:
+        owners = {m.owned_by.lower() for m in _decode_models(models_body).data}
+    except (msgspec.DecodeError, UnicodeDecodeError):
+        return None
+    engines = sorted(owners & _OWN_VOCAB_ENGINES)
+    if not engines:
+        return None
+    return (
+        f"worker {worker_id!r} is {engines[0]}, but tokenizer is 'byte': text requests (prompt, "
+        "messages) can never match its cache. Set tokenizer to 'hf:<dir>' (its tokenizer.json) "
+        "or 'worker' (its /tokenize), or send token_ids"
+    )
 
 
 def make_tokenizer(

@@ -12,7 +12,7 @@ whenever it succeeds, and it does the per-message work of the ingest hot path in
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 from msgspec import Meta, Struct
@@ -39,11 +39,15 @@ class _ArrStored(Struct, array_like=True, tag="BlockStored", gc=False):
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int = 0
+    kv_cache_spec_kind: str | None = None
 
 
 class _ArrRemoved(Struct, array_like=True, tag="BlockRemoved", gc=False):
     block_hashes: list[_Hash]
     medium: str | None = None
+    group_idx: int = 0
 
 
 class _ArrCleared(Struct, array_like=True, tag="AllBlocksCleared", gc=False):
@@ -65,11 +69,15 @@ class _MapStored(Struct, tag="BlockStored", tag_field="type", gc=False):
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int = 0
+    kv_cache_spec_kind: str | None = None
 
 
 class _MapRemoved(Struct, tag="BlockRemoved", tag_field="type", gc=False):
     block_hashes: list[_Hash]
     medium: str | None = None
+    group_idx: int = 0
 
 
 class _MapCleared(Struct, tag="AllBlocksCleared", tag_field="type", gc=False):
@@ -113,6 +121,11 @@ def _events_are_arrays(p: bytes) -> bool:
     return i < len(p) and p[i] in _ARRAY_HEADERS
 
 
+def _kind(kind: str | None) -> str | None:
+    # None stands for a full-attention group, the one kind every publisher had before the field
+    return None if kind == "full_attention" else kind
+
+
 def _tier(medium: str | None) -> str:
     return "GPU" if medium is None or medium == "GPU" else canonical_tier(medium)
 
@@ -145,10 +158,20 @@ def decode_payload(payload: bytes, *, seq: int = 0, topic: bytes = b"") -> Event
                     medium=e.medium,
                     lora_id=e.lora_id,
                     lora_name=e.lora_name,
+                    extra_keys=e.extra_keys if e.extra_keys and any(e.extra_keys) else None,
+                    group_idx=e.group_idx,
+                    kv_cache_spec_kind=_kind(e.kv_cache_spec_kind),
                 )
             )
         elif isinstance(e, _REMOVED):
-            append(BlockRemoved(block_hashes=e.block_hashes, tier=_tier(e.medium), medium=e.medium))
+            append(
+                BlockRemoved(
+                    block_hashes=e.block_hashes,
+                    tier=_tier(e.medium),
+                    medium=e.medium,
+                    group_idx=e.group_idx,
+                )
+            )
         else:
             append(AllBlocksCleared())
     return EventBatch(seq=seq, ts=batch.ts, events=events, dp_rank=batch.dp_rank, topic=topic)

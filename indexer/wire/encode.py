@@ -90,9 +90,13 @@ def encode_payload(events: Sequence[Event], *, ts: float, dp_rank: int | None = 
                     lora_id=e.lora_id,
                     medium=_wire_medium(e.medium, e.tier),
                     lora_name=e.lora_name,
-                    extra_keys=[None] * len(e.block_hashes),
-                    group_idx=0,
-                    kv_cache_spec_kind="full_attention",
+                    extra_keys=(
+                        e.extra_keys if e.extra_keys is not None else [None] * len(e.block_hashes)
+                    ),
+                    group_idx=e.group_idx,
+                    kv_cache_spec_kind=(
+                        "full_attention" if e.kv_cache_spec_kind is None else e.kv_cache_spec_kind
+                    ),
                 )
             )
         elif isinstance(e, BlockRemoved):
@@ -100,7 +104,7 @@ def encode_payload(events: Sequence[Event], *, ts: float, dp_rank: int | None = 
                 _V33BlockRemoved(
                     block_hashes=e.block_hashes,
                     medium=_wire_medium(e.medium, e.tier),
-                    group_idx=0,
+                    group_idx=e.group_idx,
                 )
             )
         elif isinstance(e, AllBlocksCleared):

@@ -32,10 +32,13 @@ POSITIONAL_FIELDS: dict[str, tuple[tuple[str, ...], int]] = {
             "lora_id",
             "medium",
             "lora_name",
+            "extra_keys",
+            "group_idx",
+            "kv_cache_spec_kind",
         ),
         4,
     ),
-    "BlockRemoved": (("block_hashes", "medium"), 1),
+    "BlockRemoved": (("block_hashes", "medium", "group_idx"), 1),
     "AllBlocksCleared": ((), 0),
 }
 
@@ -102,6 +105,8 @@ def _stored(f: dict[str, Any], where: str) -> BlockStored:
     if size <= 0:
         raise SchemaError(f"{where}.block_size must be positive, got {size}")
     medium = _optional(f.get("medium"), str, where, "medium")
+    extra = _optional(f.get("extra_keys"), list, where, "extra_keys")
+    kind = _optional(f.get("kv_cache_spec_kind"), str, where, "kv_cache_spec_kind")
     return BlockStored(
         block_hashes=hashes,
         parent_block_hash=parent,
@@ -111,13 +116,27 @@ def _stored(f: dict[str, Any], where: str) -> BlockStored:
         medium=medium,
         lora_id=_optional(f.get("lora_id"), int, where, "lora_id"),
         lora_name=_optional(f.get("lora_name"), str, where, "lora_name"),
+        extra_keys=extra if extra and any(extra) else None,
+        group_idx=_group(f, where),
+        kv_cache_spec_kind=None if kind == "full_attention" else kind,
     )
+
+
+def _group(f: dict[str, Any], where: str) -> int:
+    g = f.get("group_idx")
+    if g is None:
+        return 0
+    if type(g) is not int:
+        raise SchemaError(f"{where}.group_idx must be int or nil, got {_kind(g)}")
+    return g
 
 
 def _removed(f: dict[str, Any], where: str) -> BlockRemoved:
     hashes = _hashes(f["block_hashes"], where)
     medium = _optional(f.get("medium"), str, where, "medium")
-    return BlockRemoved(block_hashes=hashes, tier=canonical_tier(medium), medium=medium)
+    return BlockRemoved(
+        block_hashes=hashes, tier=canonical_tier(medium), medium=medium, group_idx=_group(f, where)
+    )
 
 
 def _fields(event: object, where: str) -> tuple[str, dict[str, Any]] | None:

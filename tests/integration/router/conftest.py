@@ -35,7 +35,7 @@ class RouterHandle:
         return index.match(index.request_hashes(tokens)).workers[(worker, rank)].matched_blocks
 
     async def wait_ready(self, timeout: float = 30.0) -> None:
-        await wait_for(lambda: self.state.ready()[0], timeout, "router ready")
+        await wait_for(self.state.all_ready, timeout, "every worker's event stream ready")
 
 
 @pytest.fixture
@@ -70,9 +70,11 @@ async def router() -> AsyncIterator[Callable[..., Awaitable[RouterHandle]]]:
         plain_asgi: bool = False,
         **overrides: Any,
     ) -> RouterHandle:
-        """``plain_asgi``: serve the app with uvicorn's own protocol (every request through
-        ASGI, as under any other server) instead of ``router.http``'s."""
+        """``plain_asgi``: serve the app with uvicorn's defaults (httptools) instead of
+        ``router.http``'s config (h11 and the router's limits): both must answer alike."""
         overrides.setdefault("health", {"interval_s": 0.2, "timeout_s": 2.0})
+        if "admin_key" not in overrides:  # tests that read /workers; auth has its own tests
+            overrides.setdefault("admin_open", True)
         overrides.setdefault("workers", [w.spec() for w in fake_workers])
         settings = load_settings(environ={}, overrides=overrides)
         app = create_app(settings)

@@ -54,7 +54,7 @@ async def wait_for(cond: Callable[[], Any], timeout: float = 20.0, what: str = "
 
 class ServerHandle:
     """A uvicorn server on 127.0.0.1, port 0, in the running event loop. A router app
-    (``router=True``) is served with the router's own HTTP protocol, as ``kvrouter serve`` does."""
+    (``router=True``) is served with ``router.http``'s config, as ``kvrouter serve`` does."""
 
     def __init__(self, app: Any, *, router: bool = False, **config: Any) -> None:
         kw: dict[str, Any] = dict(

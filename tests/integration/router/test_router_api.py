@@ -15,11 +15,11 @@ BS = 16
 def err(resp: httpx.Response, status: int) -> str:
     assert resp.status_code == status, (resp.status_code, resp.text)
     body = resp.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type"}
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
     return body["error"]["message"]
 
 
-@pytest.mark.parametrize("serve", ["direct", "asgi"])  # router.http's protocol / plain uvicorn
+@pytest.mark.parametrize("serve", ["direct", "asgi"])  # router.http's config / uvicorn defaults
 async def test_malformed_bodies_get_documented_4xx(workers, router, http, serve):
     a = await workers("a")
     r = await router([a], proxy={"max_body_bytes": 4096}, plain_asgi=serve == "asgi")
@@ -88,7 +88,7 @@ async def test_worker_that_hangs_times_out(workers, router, http):
     r = await router([a], proxy={"read_timeout_s": 0.5, "retries": 0})
     t0 = time.monotonic()
     resp = await http.post(r.url + "/v1/completions", json={"prompt": "hello"})
-    assert "ReadTimeout" in err(resp, 503)
+    assert "ReadTimeout" in err(resp, 504)
     assert time.monotonic() - t0 < 10
 
 
@@ -124,7 +124,9 @@ async def test_workers_api_needs_admin_key(workers, router, http):
     a, b = await workers("a"), await workers("b")
     r = await router([a], admin_key="s3cret")
     u = r.url
-    listed = (await http.get(u + "/workers")).json()["workers"]
+    auth = {"Authorization": "Bearer s3cret"}
+    err(await http.get(u + "/workers"), 401)  # it shows internal endpoints
+    listed = (await http.get(u + "/workers", headers=auth)).json()["workers"]
     assert [w["id"] for w in listed] == ["a"] and listed[0]["healthy"] is True
     assert listed[0]["ranks"][0]["subscriber"]["replay_done"] is True
     new = b.spec()
@@ -146,7 +148,8 @@ async def test_workers_api_needs_admin_key(workers, router, http):
     err(await http.delete(u + "/workers/b"), 401)
     err(await http.delete(u + "/workers/zzz", headers=auth), 404)
     assert (await http.delete(u + "/workers/b", headers=auth)).status_code == 200
-    assert [w["id"] for w in (await http.get(u + "/workers")).json()["workers"]] == ["a"]
+    listed = (await http.get(u + "/workers", headers=auth)).json()["workers"]
+    assert [w["id"] for w in listed] == ["a"]
     body = (await http.post(u + "/route", json={"token_ids": list(range(32))})).json()
     assert [c["worker_id"] for c in body["candidates"]] == ["a"]
 
@@ -165,7 +168,7 @@ async def test_metrics_and_health(workers, router, http):
         "kvrouter_decision_latency_seconds_count",
         "kvrouter_matched_block_ratio_bucket",
         'kvrouter_route_decisions_total{kind="route",worker="a"} 1.0',
-        'kvrouter_events_applied_total{dp_rank="0",tier="",type="BlockStored",worker="a"} 1.0',
+        'kvrouter_events_applied_total{dp_rank="0",type="BlockStored",worker="a"} 1.0',
         'kvrouter_index_blocks{dp_rank="0",tier="CPU_PINNED",worker="a"} 3.0',
         'kvrouter_subscriber_connected{dp_rank="0",worker="a"} 1.0',
         "kvrouter_event_lag_seconds",

@@ -38,9 +38,8 @@ async def test_serve_port_zero_prints_bound_url_and_stops_on_sigterm(tmp_path):
         assert int(m.group(2)) > 0
         async with httpx.AsyncClient(trust_env=False, timeout=10) as c:
             assert (await c.get(url + "/health")).json() == {"status": "ok"}
-            assert (
-                await c.get(url + "/ready")
-            ).status_code == 200  # no workers: nothing to wait for
+            ready = await c.get(url + "/ready")
+            assert ready.status_code == 503  # no worker: nothing to route to
             assert (await c.post(url + "/workers", json={})).status_code == 401
             r = await c.post(url + "/route", json={"token_ids": [1, 2, 3]})
             assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
@@ -62,3 +61,41 @@ async def test_invalid_config_fails_at_start_naming_the_key(tmp_path):
     proc = await _spawn("--port", "0", "--worker", "id=a,url=http://x")
     _, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 2 and b"events=" in err
+
+
+async def test_sigterm_drains_in_flight_requests_with_ready_503(tmp_path, workers):
+    """SIGTERM: /ready answers 503 at once while the listener still serves, the request in
+    flight finishes with its whole answer, then the process exits."""
+    w = await workers("w", first_token_delay_s=1.5)
+    cfg = tmp_path / "r.yaml"
+    cfg.write_text("server:\n  drain_grace_s: 20\nhealth:\n  interval_s: 0.2\n")
+    spec = f"id=w,url={w.url},events={w.spec()['events_endpoint']}"
+    if w.spec().get("replay_endpoint"):
+        spec += f",replay={w.spec()['replay_endpoint']}"
+    proc = await _spawn("serve", "--config", str(cfg), "--port", "0", "--worker", spec)
+    try:
+        assert proc.stdout is not None
+        m = LINE.search(await asyncio.wait_for(proc.stdout.readline(), 60))
+        assert m
+        url = m.group(1).decode()
+        async with httpx.AsyncClient(trust_env=False, timeout=30) as c:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 30
+            while (await c.get(url + "/ready")).status_code != 200:
+                assert loop.time() < deadline, "router never ready"
+                await asyncio.sleep(0.05)
+            slow = asyncio.create_task(c.post(url + "/v1/completions", json={"prompt": "hi"}))
+            while w.running == 0:
+                assert loop.time() < deadline, "request never reached the worker"
+                await asyncio.sleep(0.02)
+            proc.send_signal(signal.SIGTERM)
+            while (await c.get(url + "/ready")).status_code != 503:
+                assert loop.time() < deadline, "/ready never turned 503"
+                await asyncio.sleep(0.02)
+            resp = await slow
+            assert resp.status_code == 200 and resp.json()["choices"]
+        await asyncio.wait_for(proc.wait(), 30)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

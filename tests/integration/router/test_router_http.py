@@ -1,5 +1,5 @@
-"""``router.http``: the hot endpoints answered from the parser, checked on a raw socket with a
-real HTTP parser (h11) on the client side: answers equal the app's, pipelined requests keep their
+"""The router's listener (uvicorn with ``router.http``'s config), checked on a raw socket with a
+real HTTP parser (h11) on the client side: ``/route`` answers equal the placement's, pipelined requests keep their
 order, ``Connection: close`` and HTTP/1.0 close, odd bodies get the documented 4xx."""
 
 from __future__ import annotations

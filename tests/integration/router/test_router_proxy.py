@@ -27,7 +27,7 @@ def metric(text: str, name: str, **labels: str) -> float:
     return total
 
 
-# "direct": router.http's protocol serves the proxy; "asgi": the app under plain uvicorn
+# "direct": router.http's config (h11, limits); "asgi": the app under uvicorn's defaults
 SERVES = pytest.mark.parametrize("serve", ["direct", "asgi"])
 
 

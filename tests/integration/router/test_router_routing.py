@@ -181,3 +181,24 @@ async def test_temperature_sampling_is_seeded_and_spreads(workers, router, http)
     r2 = await router(ws, scoring={"temperature": 0.0})
     picks2 = {(await route(http, r2, token_ids=toks(6, 4 * BS)))["worker_id"] for _ in range(20)}
     assert len(picks2) == 1
+
+
+async def test_cache_salt_in_the_body_reaches_the_hash(workers, router, http):
+    """Blocks stored under a cache salt (vLLM: an extra key of the first block) match only
+    /route requests carrying the same ``cache_salt``."""
+    from indexer.events import BlockStored
+
+    a = await workers("a")
+    r = await router([a])
+    tokens = toks(9, 4 * BS)
+    a.publish(
+        [BlockStored([901, 902, 903, 904], None, tokens, BS, extra_keys=[["t1"]] + [None] * 3)]
+    )
+
+    deadline = asyncio.get_running_loop().time() + 20
+    while cand(await route(http, r, token_ids=tokens, cache_salt="t1"), "a")["matched_blocks"] < 4:
+        assert asyncio.get_running_loop().time() < deadline, "salted blocks never matched"
+        await asyncio.sleep(0.01)
+    assert cand(await route(http, r, token_ids=tokens), "a")["matched_blocks"] == 0
+    other = await route(http, r, token_ids=tokens, cache_salt="t2")
+    assert cand(other, "a")["matched_blocks"] == 0

@@ -265,7 +265,8 @@ class IndexMachine(RuleBasedStateMachine):
     @initialize()
     def setup(self) -> None:
         self.idx = PrefixIndex(BS)
-        # worker -> engine hash -> [token prefix tuple, set of tiers]
+        # worker -> engine hash -> [token prefix tuple, {tier: stores}] (a store counts: one
+        # removal per store, issue 12)
         self.ref: dict[tuple[str, int], dict[int, list]] = {w: {} for w in WORKERS}
         for w in WORKERS:
             self.idx.add_worker(*w)
@@ -303,7 +304,8 @@ class IndexMachine(RuleBasedStateMachine):
         self.idx.apply_event(w, BlockStored(hashes, parent, toks, BS, tier))
         for i, e in enumerate(hashes):
             pre = prefix + tuple(toks[: (i + 1) * BS])
-            table.setdefault(e, [pre, set()])[1].add(tier)
+            tiers = table.setdefault(e, [pre, {}])[1]
+            tiers[tier] = tiers.get(tier, 0) + 1
 
     @rule(w=st.sampled_from(WORKERS), pick=st.integers(0, 50), tier=st.sampled_from(TIERS))
     def remove(self, w, pick, tier) -> None:
@@ -312,8 +314,12 @@ class IndexMachine(RuleBasedStateMachine):
             return
         e = sorted(table)[pick % len(table)]
         self.idx.apply_event(w, BlockRemoved([e], tier))
-        table[e][1].discard(tier)
-        if not table[e][1]:
+        tiers = table[e][1]
+        if tiers.get(tier, 0) > 1:
+            tiers[tier] -= 1
+        else:
+            tiers.pop(tier, None)
+        if not tiers:
             del table[e]
 
     @rule(w=st.sampled_from(WORKERS))
@@ -357,23 +363,23 @@ class PyFallbackIndexMachine(IndexMachine):
 
     @initialize()
     def setup(self) -> None:
-        import indexer.index as mod
+        from indexer.index import apply, match, native
 
         # (and a plain dict for the present table, as where the extension is not built)
-        self._saved = (mod._store_gpu, mod._remove_gpu, mod._walk_lengths, mod._MaskMap)
-        mod._store_gpu, mod._remove_gpu, mod._walk_lengths, mod._MaskMap = (
-            mod._py_store_gpu,
-            mod._py_remove_gpu,
-            mod._py_walk_lengths,
+        self._saved = (apply._store_gpu, apply._remove_gpu, match._walk_lengths, native.MaskMap)
+        apply._store_gpu, apply._remove_gpu, match._walk_lengths, native.MaskMap = (
+            native._py_store_gpu,
+            native._py_remove_gpu,
+            native._py_walk_lengths,
             None,
         )
         super().setup()
 
     def teardown(self) -> None:
-        import indexer.index as mod
+        from indexer.index import apply, match, native
 
         if hasattr(self, "_saved"):
-            mod._store_gpu, mod._remove_gpu, mod._walk_lengths, mod._MaskMap = self._saved
+            apply._store_gpu, apply._remove_gpu, match._walk_lengths, native.MaskMap = self._saved
 
 
 PyFallbackIndexMachine.TestCase.settings = settings(
@@ -385,7 +391,9 @@ TestPyFallbackIndexMachine = PyFallbackIndexMachine.TestCase
 def test_walk_twins_agree() -> None:
     import random
 
-    from indexer.index import _new_present, _py_walk_lengths, _walk_lengths
+    from indexer.index.native import _py_walk_lengths
+    from indexer.index.native import new_present as _new_present
+    from indexer.index.native import walk_lengths as _walk_lengths
 
     rng = random.Random(5)
     for _ in range(300):
@@ -425,7 +433,7 @@ def test_walk_twins_agree() -> None:
 def test_mask_map_behaves_like_a_dict(ops: list[tuple[str, int, int]], seed: int) -> None:
     """The present table (the C MaskMap where built) against a dict: growth, backward-shift
     deletion, the mapping API the index's Python paths use."""
-    from indexer.index import _MaskMap
+    from indexer.index.native import MaskMap as _MaskMap
 
     m: Any = _MaskMap(seed) if _MaskMap is not None else {}
     d: dict[int, int] = {}

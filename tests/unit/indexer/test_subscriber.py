@@ -4,9 +4,7 @@ tasks in the test, the subscriber applies to a real PrefixIndex that also record
 from __future__ import annotations
 
 import asyncio
-import random
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
@@ -15,10 +13,11 @@ import zmq
 import zmq.asyncio
 
 from indexer.events import AllBlocksCleared, BlockStored, EventBatch
-from indexer.index import PrefixIndex, WorkerKey
-from indexer.subscriber import Subscriber, SubscriberError, WorkerEndpoint, rank_endpoint
+from indexer.index import PrefixIndex
+from indexer.subscriber import SubscriberError, WorkerEndpoint, rank_endpoint
 from indexer.wire import encode_message, encode_payload
 from indexer.wire.frames import pack_seq
+from tests.unit.indexer.conftest import caught_up, endpoint, started, stream, sync_live
 from tests.unit.indexer.kv_publisher import (
     EventPublisher,
     RecordingIndex,
@@ -28,69 +27,6 @@ from tests.unit.indexer.kv_publisher import (
     reference,
     wait_for,
 )
-
-
-@pytest.fixture
-async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
-    c = zmq.asyncio.Context()
-    yield c
-    c.destroy(linger=0)
-
-
-@pytest.fixture
-async def pubs(ctx: zmq.asyncio.Context) -> AsyncIterator[list[EventPublisher]]:
-    """Publishers created by a test; closed after it."""
-    made: list[EventPublisher] = []
-    yield made
-    for p in made:
-        await p.aclose()
-
-
-def endpoint(wid: str, pub: EventPublisher, **kw: object) -> WorkerEndpoint:
-    return WorkerEndpoint(wid, pub.events, pub.replay, **kw)  # type: ignore[arg-type]
-
-
-async def started(index: PrefixIndex, ctx: zmq.asyncio.Context, **kw: float) -> Subscriber:
-    sub = Subscriber(index, context=ctx, **kw)
-    await sub.start()
-    return sub
-
-
-def live_applied(sub: Subscriber, key: WorkerKey) -> int:
-    st = sub.stats()[key]
-    return st.messages - st.replayed
-
-
-async def sync_live(pub: EventPublisher, sub: Subscriber, key: WorkerKey) -> None:
-    """Publish empty probes until one is applied from the live stream: past the slow-joiner
-    window (a PUB drops what it sends before the subscription reaches it)."""
-    await wait_for(lambda: sub.stats()[key].connected, what=f"{key} connected")
-    deadline = time.monotonic() + 20
-    before = live_applied(sub, key)
-    while True:
-        pub.publish([])
-        try:
-            await wait_for(lambda: live_applied(sub, key) > before, 0.3)
-            await wait_for(lambda: sub.stats()[key].last_seq == pub.seq - 1)
-            return
-        except AssertionError:
-            if time.monotonic() > deadline:
-                raise
-
-
-async def stream(pub: EventPublisher, gen: StreamGen, n: int, drop: float = 0.0) -> None:
-    rng = random.Random(n)
-    for i in range(n):
-        pub.publish(gen.events(), drop=rng.random() < drop)
-        if i % 64 == 63:
-            await asyncio.sleep(0)  # let the subscriber task run between bursts
-
-
-async def caught_up(sub: Subscriber, key: WorkerKey, pub: EventPublisher) -> None:
-    await wait_for(
-        lambda: sub.stats()[key].last_seq == pub.seq - 1 and not sub.stats()[key].replaying,
-        what=f"{key} at seq {pub.seq - 1}",
-    )
 
 
 def count_events(batches: list[EventBatch], kind: type) -> int:
@@ -488,7 +424,8 @@ async def test_publisher_process_restart_on_same_ports(
         await caught_up(sub, key, new)
         st = sub.stats()[key]
         assert st.restarts == 1 and st.replay_failures == 0 and st.trusted
-        assert new.replay_requests[0] == old.seq  # the reconnect asked for what it missed
+        # the reconnect asked from the last applied seq, to check who answers it
+        assert new.replay_requests[0] == old.seq - 1
         assert index.applied[key][-new.seq :] == list(range(new.seq))
         assert_same_index(index, reference({key: new.batches}), [key], gen.queries())
     finally:

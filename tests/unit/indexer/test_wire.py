@@ -146,8 +146,10 @@ STORED = BlockStored(
 
 
 def test_unknown_keys_and_trailing_fields_are_ignored() -> None:
-    future_map = {**STORED_MAP, "some_future_field": {"nested": [1, 2]}, "group_idx": 3}
-    positional = ["BlockStored", [11, 22], None, list(range(8)), 4, None, "cpu_tier2", None, "x", 9]
+    future_map = {**STORED_MAP, "some_future_field": {"nested": [1, 2]}, "locality": 3}
+    known = [None, None, [None, None], 0, None]  # lora_id, lora_name, extra_keys, group, kind
+    positional = ["BlockStored", [11, 22], None, list(range(8)), 4, *known[:1], "cpu_tier2"]
+    positional += [*known[1:], "x", 9]
     for event in (future_map, positional):
         assert decode_payload(_payload(event)).events == [STORED]
 

@@ -38,8 +38,12 @@ def test_same_hashes_as_the_index(c_path, monkeypatch):
 
 def test_declined_texts_fall_back_or_name_the_field():
     idx = PrefixIndex(4)
-    neg = JsonTokens(_raw(b'{"token_ids": [-1, 2, 3, 4]}'))  # not plain: decoded, same hashes
-    assert neg.hashes(4, namespace_seed()) == idx.request_hashes([-1, 2, 3, 4])
+    spaced = JsonTokens(_raw(b'{"token_ids": [ 1 ,2, 3, 4 ]}'))  # decoded or scanned: same hashes
+    assert spaced.hashes(4, namespace_seed()) == idx.request_hashes([1, 2, 3, 4])
+    # ids outside [0, 2^63) are the client's error, on the C scan's path and the decode's alike
+    for bad in (b"-1", b"9223372036854775808", b"18446744073709551615"):
+        with pytest.raises(UnprocessableEntity, match=r"token_ids\[0\]: expected `int`"):
+            JsonTokens(_raw(b'{"token_ids": [' + bad + b", 2, 3, 4]}")).hashes(4, 0)
     with pytest.raises(UnprocessableEntity, match=r"token_ids\[1\]: expected `int`"):
         JsonTokens(_raw(b'{"token_ids": [1, "x", 3, 4]}')).hashes(4, 0)
     with pytest.raises(UnprocessableEntity, match="token_ids: expected `array`"):

@@ -1,4 +1,4 @@
-"""Pure scoring (DESIGN §5): credit per tier, the cost formula, sharing, ties, temperature."""
+"""Pure scoring (docs/architecture.md §5): credit per tier, the cost formula, sharing, ties, temperature."""
 
 from __future__ import annotations
 

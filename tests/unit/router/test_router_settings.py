@@ -27,7 +27,7 @@ def test_example_config_documents_every_key_and_loads():
     assert [w.id for w in s.workers] == ["w0", "w1"]
     assert s.workers[1].dp_ranks == 2 and s.workers[1].pool == "shared-redis"
     text = path.read_text()
-    for section in ("proxy", "health", "scoring", "route", "subscriber", "snapshot"):
+    for section in ("server", "proxy", "health", "scoring", "route", "subscriber", "snapshot"):
         sub = getattr(Settings(), section)
         for key in sub.__struct_fields__:
             assert f"{key}:" in text, f"{section}.{key} undocumented"

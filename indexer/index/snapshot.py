@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TypeVar
 
 import msgspec
 
+from indexer.events import ResumePoint
 from indexer.hashing import HASH_VERSION
+from indexer.index.rechunk import RechunkTable, _EBlock
+from indexer.index.state import IndexState
+from indexer.index.types import MAX_TIERS, SnapshotError, WorkerKey
 
-if TYPE_CHECKING:  # pragma: no cover
-    from indexer.index import PrefixIndex, WorkerKey
+S = TypeVar("S", bound=IndexState)
 
 __all__ = ["read_snapshot", "write_snapshot"]
 
@@ -44,6 +47,12 @@ class _WorkerSnap(msgspec.Struct):
     tiers: list[int]
     rechunk: list[_RBlock] = []
     cover: list[tuple[int, list[_EH]]] = []
+    #: ``ts`` of the batch ``seq`` names (a new publisher process is told by another ts).
+    ts: float | None = None
+    #: (engine hash, tier, stores beyond the first)
+    dups: list[tuple[_EH, int, int]] = []
+    page: int = 0
+    partial_groups: list[int] = []
 
 
 class _Snapshot(msgspec.Struct):
@@ -59,19 +68,24 @@ _encoder = msgspec.msgpack.Encoder()
 
 
 def write_snapshot(
-    index: PrefixIndex, path: str | os.PathLike[str], seqs: Mapping[WorkerKey, int]
+    index: IndexState, path: str | os.PathLike[str], seqs: Mapping[WorkerKey, int]
 ) -> None:
     seq_map = dict(seqs)
     workers = []
-    for key, w in index._workers.items():
+    for key, w in index.items():
+        point = seq_map.get(key)
         ws = _WorkerSnap(
             worker_id=key[0],
             dp_rank=key[1],
             model=w.model,
-            seq=seq_map.get(key),
+            seq=None if point is None else int(point),
+            ts=getattr(point, "ts", None),
             engine_hashes=list(w.table),
             router_hashes=list(w.table.values()),
             tiers=[w.emask.get(e, 1) for e in w.table],
+            dups=[(e, t, n) for e, d in w.dups.items() for t, n in d.items()],
+            page=w.page,
+            partial_groups=sorted(w.partial_groups),
         )
         rc = w.rechunk
         if rc is not None:
@@ -81,19 +95,14 @@ def write_snapshot(
             ]
             ws.cover = [(h, list(c)) for h, c in rc.cover.items()]
         workers.append(ws)
-    snap = _Snapshot(FORMAT, HASH_VERSION, index.block_size, list(index._tier_names), workers)
+    snap = _Snapshot(FORMAT, HASH_VERSION, index.block_size, list(index.tier_names), workers)
     tmp = f"{os.fspath(path)}.tmp"
     with open(tmp, "wb") as f:
         f.write(_encoder.encode(snap))
     os.replace(tmp, path)
 
 
-def read_snapshot(
-    cls: type[PrefixIndex], path: str | os.PathLike[str]
-) -> tuple[PrefixIndex, dict[WorkerKey, int]]:
-    from indexer.index import _TIER_BITS, SnapshotError
-    from indexer.rechunk import RechunkTable, _EBlock
-
+def read_snapshot(cls: type[S], path: str | os.PathLike[str]) -> tuple[S, dict[WorkerKey, int]]:
     try:
         with open(path, "rb") as f:
             snap = _decoder.decode(f.read())
@@ -107,22 +116,27 @@ def read_snapshot(
         )
     index = cls(snap.block_size)
     for name in snap.tiers:
-        index._tier_id(name)
+        index.tier_id(name)
     index.unknown_tiers.clear()
     seqs: dict[WorkerKey, int] = {}
     for ws in snap.workers:
         index.add_worker(ws.worker_id, ws.dp_rank, model=ws.model)
         key = (ws.worker_id, ws.dp_rank)
-        w = index._workers[key]
+        w = index.worker(key)
         if ws.seq is not None:
-            seqs[key] = ws.seq
+            seqs[key] = ResumePoint(ws.seq, ws.ts)
+        for e, t, n in ws.dups:
+            w.dups.setdefault(e, {})[t] = n
+        if ws.page:
+            index.set_page(w, ws.page)
+        w.partial_groups = set(ws.partial_groups)
         per_router: dict[int, dict] = {}
         for e, h, m in zip(ws.engine_hashes, ws.router_hashes, ws.tiers):
             w.table[e] = h
             if m != 1:
                 w.emask[e] = m
             per_router.setdefault(h, {})[e] = m
-            for t in range(_TIER_BITS):
+            for t in range(MAX_TIERS):
                 if m >> t & 1:
                     w.tier_counts[t] += 1
         for h, group in per_router.items():
@@ -138,7 +152,7 @@ def read_snapshot(
             for rb in ws.rechunk:
                 eb = _EBlock(rb.parent, rb.tiers, rb.end, rb.state, tuple(rb.tail))
                 rc.blocks[rb.engine_hash] = eb
-                for t in range(_TIER_BITS):
+                for t in range(MAX_TIERS):
                     if rb.tiers >> t & 1:
                         rc.tier_counts[t] += 1
             for h, cov in ws.cover:

@@ -3,7 +3,7 @@
 SGLang's default page size is 1, vLLM's is 16, others use 32 or 64, while the router hashes one
 block size per model. A router block is present on such a worker when every engine block covering
 its tokens is present; its tiers are those all covering blocks share, or else the slowest of their
-fastest tiers (DESIGN §3). Each engine block keeps the router chain state at the last router-block
+fastest tiers (docs/architecture.md §3). Each engine block keeps the router chain state at the last router-block
 boundary before its end plus the tokens after it, so a child store can continue the chain.
 """
 
@@ -12,10 +12,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from indexer.events import BlockStored, EngineHash
-from indexer.hashing import chain_hashes
+from indexer.hashing import chain_hashes, extra_seed, namespace_keys
+from indexer.index.types import MAX_TIERS, SGLANG_ROOT_PARENT, Worker
 
 if TYPE_CHECKING:  # pragma: no cover
-    from indexer.index import PrefixIndex, _Worker
+    from indexer.index.state import IndexState
 
 __all__ = ["RechunkTable"]
 
@@ -37,36 +38,38 @@ class _EBlock:
 class RechunkTable:
     """One worker rank's engine blocks when ``event.block_size != index.block_size``."""
 
-    def __init__(self, index: PrefixIndex, worker: _Worker) -> None:
+    def __init__(self, index: IndexState, worker: Worker) -> None:
         self.index = index
         self.worker = worker
         self.blocks: dict[EngineHash, _EBlock] = {}
         self.cover: dict[int, list[EngineHash]] = {}
         self.rmask: dict[int, int] = {}
-        self.tier_counts = [0] * 16
+        self.tier_counts = [0] * MAX_TIERS
 
     def store(self, ev: BlockStored) -> None:
-        from indexer.index import SGLANG_ROOT_PARENT
-
         index, w = self.index, self.worker
-        t = index._tier_id(ev.tier)
+        t = index.tier_id(ev.tier, w)
         bit = 1 << t
         p = ev.block_size
         if p <= 0:
             w.stats.orphans += 1
             return
         toks = ev.token_ids
+        ek = ev.extra_keys
         parent: EngineHash | None = ev.parent_block_hash
         for i, e in enumerate(ev.block_hashes):
             eb = self.blocks.get(e)
             if eb is not None:
-                self._add_tier(eb, bit, t)
+                if eb.tiers & bit:
+                    index.count_dup(w, e, t)
+                else:
+                    self._add_tier(eb, bit, t)
                 parent = e
                 continue
             tail: tuple[int, ...]
             if parent is None or (parent not in self.blocks and parent == SGLANG_ROOT_PARENT):
                 pe = None
-                end0, state, tail = 0, index._seed(w, ev.lora_name, ev.lora_id), ()
+                end0, state, tail = 0, index.seed(w, ev.lora_name, ev.lora_id), ()
             else:
                 pe = self.blocks.get(parent)
                 if pe is None:
@@ -79,6 +82,10 @@ class RechunkTable:
                 w.stats.orphans += 1
                 w.stats.orphan_blocks += len(ev.block_hashes) - i
                 return
+            if ek is not None:
+                keys = namespace_keys(ek[i] if i < len(ek) else None, ev.lora_name, ev.lora_id)
+                if keys:
+                    state = extra_seed(state, keys)  # another namespace from here on (hashing)
             buf = [*tail, *block_toks]
             bs = index.block_size
             new = chain_hashes(buf, bs, state)

@@ -1,0 +1,130 @@
+"""The index's vocabulary: worker keys, tier ids, the answers of ``match``, per-worker records
+and errors. Nothing here knows how the index is stored or walked."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from indexer.events import CANONICAL_TIERS, EngineHash
+
+if TYPE_CHECKING:  # pragma: no cover
+    from indexer.rechunk import RechunkTable
+
+__all__ = [
+    "EXTERNAL",
+    "GPU",
+    "MAX_TIERS",
+    "MAX_UNKNOWN_MEDIUMS",
+    "SGLANG_ROOT_PARENT",
+    "ZERO",
+    "IndexError_",
+    "MatchResult",
+    "SnapshotError",
+    "Worker",
+    "WorkerIndexStats",
+    "WorkerKey",
+    "WorkerMatch",
+]
+
+#: One worker rank: ``(worker_id, dp_rank)``.
+WorkerKey = tuple[str, int]
+
+#: SGLang 0.4.9 sends ``hash(())`` as the parent of a page hanging off the radix root.
+SGLANG_ROOT_PARENT = 5740354900026072187
+
+#: Tier ids are positions in ``CANONICAL_TIERS`` (fastest first), then unknown mediums; a tier
+#: mask has bit ``t`` for tier ``t``.
+GPU = CANONICAL_TIERS.index("GPU")
+EXTERNAL = CANONICAL_TIERS.index("EXTERNAL")
+#: Bits of a per-(block, worker) tier mask: at most this many tiers, unknown ones included.
+MAX_TIERS = 16
+#: Distinct unknown ``medium`` names counted by name per worker; more are counted as ``OTHER``.
+MAX_UNKNOWN_MEDIUMS = 32
+
+
+class IndexError_(Exception):
+    """Base class of the index's own errors (named to avoid shadowing the builtin)."""
+
+
+class SnapshotError(IndexError_):
+    """A snapshot file that cannot be loaded: wrong format, version or block size."""
+
+
+class WorkerMatch(msgspec.Struct, frozen=True):
+    matched_blocks: int
+    by_tier: dict[str, int]
+    predicted_blocks: int = 0
+
+
+class MatchResult(msgspec.Struct, frozen=True):
+    request_blocks: int
+    workers: dict[WorkerKey, WorkerMatch]
+
+
+@dataclass
+class WorkerIndexStats:
+    """Counters of one worker rank; ``blocks_by_tier`` counts engine blocks per tier."""
+
+    blocks_by_tier: dict[str, int] = field(default_factory=dict)
+    stored_events: int = 0
+    removed_events: int = 0
+    cleared: int = 0
+    orphans: int = 0
+    orphan_blocks: int = 0
+    unknown_removals: int = 0
+    #: Stores of a hash already held on that tier (counted; one removal each before it leaves).
+    duplicate_stores: int = 0
+    #: Events of partial-prefix KV cache groups (sliding window, Mamba): counted, not applied.
+    partial_group_events: int = 0
+    #: Entries dropped by the index cap (least recently matched first).
+    evicted_entries: int = 0
+    #: Events with an unknown ``medium``, by name (bounded, see ``MAX_UNKNOWN_MEDIUMS``).
+    unknown_mediums: dict[str, int] = field(default_factory=dict)
+
+
+class Worker:
+    __slots__ = (
+        "bit",
+        "dups",
+        "emask",
+        "key",
+        "model",
+        "multi",
+        "page",
+        "partial_groups",
+        "rechunk",
+        "slot",
+        "stats",
+        "table",
+        "tier_counts",
+    )
+
+    def __init__(self, key: WorkerKey, slot: int, model: str) -> None:
+        self.key = key
+        self.slot = slot
+        self.bit = 1 << slot
+        self.model = model
+        # engine hash -> router hash. The router hash object is also the global map's key when
+        # this worker brought the block in, so a GPU-only entry costs one dict slot and one int.
+        self.table: dict[EngineHash, int] = {}
+        # engine hash -> its tier mask, only for blocks not held on GPU alone (mask != 1)
+        self.emask: dict[EngineHash, int] = {}
+        # router hash -> {engine hash | None: tier mask} for the rare router block that several
+        # engine blocks of this worker map to (same tokens, different cache salt or extra keys).
+        # ``None`` stands for the engine blocks that held it before the collision was seen.
+        self.multi: dict[int, dict[EngineHash | None, int]] = {}
+        self.rechunk: RechunkTable | None = None
+        self.tier_counts: list[int] = [0] * MAX_TIERS
+        self.stats = WorkerIndexStats()
+        #: engine hash -> {tier: stores beyond the first}, for hashes stored more than once
+        self.dups: dict[EngineHash, dict[int, int]] = {}
+        #: the engine's page size in tokens when it differs from the router block size, else 0
+        self.page = 0
+        #: group_idx values seen with a partial-prefix kv_cache_spec_kind
+        self.partial_groups: set[int] = set()
+
+
+ZERO = WorkerMatch(0, {})

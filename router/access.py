@@ -1,0 +1,100 @@
+"""Request ids and the access log, for every request the router serves (an ASGI middleware).
+
+- ``x-request-id``: taken from the client when it is a plain token (≤ 128 of A-Z a-z 0-9 . _ : -),
+  else generated; echoed on the answer and, through the request's headers, forwarded to the
+  worker by the proxy.
+- One log line per request on the ``kvrouter.access`` logger: method, path, status, worker,
+  response bytes, time to the first body byte, duration and the request id; with
+  ``log_format: json`` (``--log-format json``) each line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+import uuid
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+__all__ = ["AccessLog", "JsonFormatter"]
+
+log = logging.getLogger("kvrouter.access")
+_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
+
+
+class AccessLog:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
+        if given is not None and _ID.fullmatch(given):
+            rid = given
+        else:
+            rid = uuid.uuid4().hex.encode()
+            headers = [(k, v) for k, v in scope["headers"] if k != b"x-request-id"]
+            scope = {**scope, "headers": [*headers, (b"x-request-id", rid)]}
+        t0 = time.perf_counter()
+        seen: dict[str, Any] = {"status": 0, "worker": "", "bytes": 0, "ttfb": None}
+
+        async def send_logged(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", ()))
+                seen["status"] = message["status"]
+                for k, v in headers:
+                    if k == b"x-kvrouter-worker":
+                        seen["worker"] = v.decode("ascii", "replace")
+                message = {**message, "headers": [*headers, (b"x-request-id", rid)]}
+            elif message["type"] == "http.response.body":
+                body = message.get("body", b"")
+                if body and seen["ttfb"] is None:
+                    seen["ttfb"] = time.perf_counter() - t0
+                seen["bytes"] += len(body)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_logged)
+        finally:
+            if log.isEnabledFor(logging.INFO):
+                ttfb = seen["ttfb"]
+                fields = {
+                    "method": scope.get("method", ""),
+                    "path": scope.get("path", ""),
+                    "status": seen["status"],
+                    "worker": seen["worker"],
+                    "bytes": seen["bytes"],
+                    "ttfb_ms": None if ttfb is None else round(ttfb * 1e3, 3),
+                    "duration_ms": round((time.perf_counter() - t0) * 1e3, 3),
+                    "request_id": rid.decode("ascii"),
+                }
+                log.info(
+                    "%(method)s %(path)s %(status)s worker=%(worker)s bytes=%(bytes)s "
+                    "ttfb_ms=%(ttfb_ms)s duration_ms=%(duration_ms)s request_id=%(request_id)s",
+                    fields,
+                    extra={"access": fields},
+                )
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per log line (``log_format: json``); access lines carry their fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": round(record.created, 6),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+        }
+        fields = getattr(record, "access", None)
+        if isinstance(fields, dict):
+            out.update(fields)
+        else:
+            out["message"] = record.getMessage()
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, separators=(",", ":"))

@@ -1,0 +1,391 @@
+"""Kubernetes worker discovery (``kubernetes.discovery``): the router lists and watches the pods
+that carry the configured labels, through the Kubernetes API (lightkube, the ``k8s`` extra), and
+keeps one dynamic worker per *ready* pod: added when the pod becomes ready, removed when it is
+deleted, stops being ready or loses its IP. Static workers and ``POST /workers`` are untouched.
+
+The loop is the one every Kubernetes controller runs: LIST (gives the current pods and a
+``resourceVersion``), reconcile, WATCH from that version; a dropped watch is resumed from the last
+version seen; a version the API server no longer holds (``410 Gone``, as a status or as an
+``ERROR`` event) restarts with a LIST, whose result also removes the workers of pods deleted
+while no watch was open.
+
+A pod's worker: id = pod name, ``http://<podIP>:<port>``, ``tcp://<podIP>:<port>`` for events and
+replay. Ports, data-parallel ranks, model and pool come from the pod's annotations
+(``kvrouter.io/http-port``, ``events-port``, ``replay-port`` — ``none`` for no replay —,
+``dp-ranks``, ``model``, ``pool``; defaults from the settings), or, with
+``endpoints: kv_event_sources``, the event endpoints come from vLLM's ``GET /kv_event_sources`` on
+the pod (one entry per data-parallel rank). A pod whose endpoints cannot be read yet is retried
+every ``retry_s``.
+
+Workers are added and removed through the same calls as ``POST``/``DELETE /workers``
+(:class:`WorkerSink`, the router state); this module never touches the index. Every change is made
+by this module's tasks (one per changed pod, so a pod slow to describe itself delays no other),
+one change at a time under a lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Mapping
+from typing import Any, Protocol
+
+import msgspec
+
+from router.errors import ConfigError, RouterError
+from router.settings import DiscoverySettings, WorkerConfig
+
+__all__ = ["KubernetesDiscovery", "WorkerSink", "pod_ready", "worker_for_pod"]
+
+log = logging.getLogger("kvrouter.discovery")
+_MAX_SOURCES_BYTES = 64 * 1024  # a pod's /kv_event_sources answer is a few hundred bytes
+_WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]", "")
+
+
+class WorkerSink(Protocol):
+    """What discovery changes: the router's worker set (``RouterState``)."""
+
+    def add_worker(self, cfg: WorkerConfig, *, dynamic: bool = ...) -> Awaitable[Any]: ...
+
+    def remove_worker(self, worker_id: str) -> Awaitable[None]: ...
+
+
+class PodNotUsable(Exception):
+    """A ready pod whose worker cannot be described (yet): bad annotation, endpoints unreadable."""
+
+
+class _Source(msgspec.Struct):
+    """One entry of vLLM's ``GET /kv_event_sources`` (a bare JSON array of these)."""
+
+    endpoint: str
+    data_parallel_rank: int = 0
+    replay_endpoint: str | None = None
+    topic: str = ""
+
+
+_decode_sources = msgspec.json.Decoder(list[_Source]).decode
+
+
+def pod_ready(pod: Any) -> bool:
+    """Running, not being deleted, with an IP and the ``Ready`` condition true."""
+    meta, status = pod.metadata, pod.status
+    if meta is None or meta.deletionTimestamp is not None or status is None:
+        return False
+    if status.phase != "Running" or not status.podIP:
+        return False
+    return any(c.type == "Ready" and c.status == "True" for c in status.conditions or ())
+
+
+def _host(ip: str) -> str:
+    return f"[{ip}]" if ":" in ip else ip
+
+
+def _port(value: str, what: str) -> int:
+    try:
+        port = int(value)
+    except ValueError:
+        port = 0
+    if not 1 <= port <= 65535:
+        raise PodNotUsable(f"annotation {what}={value!r} is not a port")
+    return port
+
+
+def worker_for_pod(
+    pod: Any, s: DiscoverySettings, sources: list[_Source] | None = None
+) -> WorkerConfig:
+    """The worker a ready pod stands for; ``sources`` from its ``/kv_event_sources`` when
+    ``endpoints: kv_event_sources``. Raises :class:`PodNotUsable` naming what is wrong."""
+    ann: Mapping[str, str] = pod.metadata.annotations or {}
+    pre = s.annotation_prefix
+
+    def get(name: str) -> str | None:
+        return ann.get(pre + name)
+
+    ip = _host(pod.status.podIP)
+    http = get("http-port")
+    http_port = _port(http, pre + "http-port") if http is not None else s.http_port
+    dp = get("dp-ranks")
+    try:
+        dp_ranks = int(dp) if dp is not None else 1
+    except ValueError as e:
+        raise PodNotUsable(f"annotation {pre}dp-ranks={dp!r} is not an integer") from e
+    if sources is not None:
+        events, replay, dp_ranks = _from_sources(sources, ip)
+    else:
+        ev = get("events-port")
+        events = f"tcp://{ip}:{_port(ev, pre + 'events-port') if ev is not None else s.events_port}"
+        rp = get("replay-port")
+        if rp is not None and rp.lower() == "none":
+            replay = None
+        elif rp is not None:
+            replay = f"tcp://{ip}:{_port(rp, pre + 'replay-port')}"
+        else:
+            replay = f"tcp://{ip}:{s.replay_port}" if s.replay_port else None
+    try:
+        return WorkerConfig(
+            id=pod.metadata.name,
+            url=f"http://{ip}:{http_port}",
+            events_endpoint=events,
+            replay_endpoint=replay,
+            dp_ranks=dp_ranks,
+            pool=get("pool") or None,
+            model=get("model") or "",
+        )
+    except ValueError as e:  # WorkerConfig's own checks: "`dp_ranks` must be between 1 and 1024"
+        raise PodNotUsable(str(e).replace("`", "")) from e
+
+
+def _from_sources(sources: list[_Source], ip: str) -> tuple[str, str | None, int]:
+    """(events, replay, dp ranks) from vLLM's list. The router subscribes to rank r at the base
+    port + r, so the ranks must be 0..n-1 on consecutive ports (vLLM's own layout)."""
+    if not sources:
+        raise PodNotUsable("/kv_event_sources lists no source")
+    by_rank = sorted(sources, key=lambda x: x.data_parallel_rank)
+    if [x.data_parallel_rank for x in by_rank] != list(range(len(by_rank))):
+        raise PodNotUsable("/kv_event_sources ranks are not 0..n-1")
+
+    def local(ep: str) -> tuple[str, int]:
+        scheme, sep, rest = ep.partition("://")
+        host, _, port = rest.rpartition(":")
+        if scheme != "tcp" or not sep or not port.isdigit():
+            raise PodNotUsable(f"/kv_event_sources endpoint {ep!r} is not tcp://host:port")
+        # a publisher bound on every interface reports its bind address: use the pod's IP
+        return (ip if host in _WILDCARD_HOSTS else host), int(port)
+
+    events = [local(x.endpoint) for x in by_rank]
+    replays = [local(x.replay_endpoint) if x.replay_endpoint else None for x in by_rank]
+    for key, eps in (("endpoint", events), ("replay_endpoint", replays)):
+        first = eps[0]
+        if any((e is None) != (first is None) for e in eps):
+            raise PodNotUsable(f"/kv_event_sources: {key} set on some ranks only")
+        if first is not None and any(e != (first[0], first[1] + r) for r, e in enumerate(eps)):
+            raise PodNotUsable(f"/kv_event_sources: {key} of rank r is not on port base + r")
+    replay = f"tcp://{replays[0][0]}:{replays[0][1]}" if replays[0] is not None else None
+    return f"tcp://{events[0][0]}:{events[0][1]}", replay, len(by_rank)
+
+
+class KubernetesDiscovery:
+    """Built by ``create_app`` (a missing client library or API configuration fails the start
+    with :class:`ConfigError`); ``await run(sink)`` until cancelled (the lifespan owns the task)."""
+
+    def __init__(self, settings: DiscoverySettings) -> None:
+        try:
+            import httpx2  # lightkube's HTTP client: also reads vLLM's /kv_event_sources
+            import lightkube
+        except ImportError as e:
+            raise ConfigError(
+                "kubernetes.discovery needs the Kubernetes client: pip install 'kvrouter[k8s]'"
+            ) from e
+        self._lk = lightkube
+        self._httpx = httpx2
+        self.settings = settings
+        self.sink: WorkerSink | None = None
+        self.pods: dict[str, Any] = {}  # the latest version of every labelled pod
+        self.workers: dict[str, WorkerConfig] = {}  # pod name -> the worker registered for it
+        self.lists = 0  # LIST calls made (each start, and each 410)
+        self._problems: dict[str, str] = {}  # pod -> why it is not a worker (logged once)
+        self._lock = asyncio.Lock()
+        self._dirty: set[str] = set()  # pods changed since their reconcile task read them
+        self._tasks: dict[str, asyncio.Task[None]] = {}  # pod -> its reconcile task
+        self._http: Any = None  # for /kv_event_sources, made by run()
+        self._config = self._kubeconfig()  # a missing configuration fails the start
+
+    def _kubeconfig(self) -> Any:
+        lk, s = self._lk, self.settings
+        if s.api_server is None:  # in a pod: its service account; elsewhere: ~/.kube/config
+            try:
+                return lk.KubeConfig.from_env()
+            except lk.ConfigError as e:
+                raise ConfigError(f"kubernetes.discovery: no Kubernetes API access: {e}") from e
+        # e.g. a `kubectl proxy` sidecar: no credentials here. A kubeconfig with an empty user
+        # (lightkube 1.0's from_server leaves the user out, which its client then refuses)
+        context: dict[str, Any] = {"cluster": "api", "user": "anonymous"}
+        if s.namespace:
+            context["namespace"] = s.namespace
+        return lk.KubeConfig.from_dict(
+            {
+                "clusters": [{"name": "api", "cluster": {"server": s.api_server}}],
+                "users": [{"name": "anonymous", "user": {}}],
+                "contexts": [{"name": "api", "context": context}],
+                "current-context": "api",
+            }
+        )
+
+    def _client(self) -> Any:
+        timeout = self._httpx.Timeout(self.settings.timeout_s)
+        return self._lk.AsyncClient(
+            self._config, namespace=self.settings.namespace, timeout=timeout, trust_env=False
+        )
+
+    async def run(self, sink: WorkerSink) -> None:
+        from lightkube.resources.core_v1 import Pod
+
+        self.sink = sink
+        s = self.settings
+        client = self._client()
+        self._http = self._httpx.AsyncClient(timeout=s.timeout_s, trust_env=False)
+        retry = asyncio.create_task(self._retry_pending(), name="k8s-discovery-retry")
+        try:
+            while True:
+                try:
+                    version = await self._relist(client, Pod)
+                except Exception as e:  # API server unreachable, forbidden...: try again
+                    log.warning("listing pods %s failed: %r", s.labels, e)
+                    await asyncio.sleep(s.retry_s)
+                    continue
+                await self._watch(client, Pod, version)
+        finally:
+            tasks = [retry, *self._tasks.values()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._http.aclose()
+            await client.close()
+            self.workers.clear()  # the router stops: nothing to clean up in it
+
+    async def _relist(self, client: Any, pod_type: Any) -> str:
+        s = self.settings
+        listing = client.list(pod_type, namespace=s.namespace, labels=s.labels)
+        pods = {p.metadata.name: p async for p in listing}
+        self.lists += 1
+        gone = [n for n in self.pods if n not in pods]
+        for name in gone:
+            del self.pods[name]
+        self.pods.update(pods)
+        for name in [*gone, *pods]:
+            self._kick(name)
+        log.info("kubernetes discovery: listed %d pods", len(pods))
+        return str(listing.resourceVersion)
+
+    async def _watch(self, client: Any, pod_type: Any, version: str) -> None:
+        """Watch from ``version`` until the API server no longer has it (then: relist)."""
+        s = self.settings
+        while True:
+            stream = client.watch(
+                pod_type, namespace=s.namespace, labels=s.labels, resource_version=version
+            )
+            try:
+                async for kind, pod in stream:
+                    version = pod.metadata.resourceVersion or version
+                    name = pod.metadata.name
+                    if kind == "DELETED":
+                        self.pods.pop(name, None)
+                    elif kind in ("ADDED", "MODIFIED"):
+                        self.pods[name] = pod
+                    else:  # BOOKMARK: only a newer version
+                        continue
+                    self._kick(name)
+            except (self._httpx.HTTPError, msgspec.DecodeError, msgspec.ValidationError) as e:
+                if self._expired(e):
+                    log.info("pod watch: resourceVersion %s expired, relisting", version)
+                    return
+                log.warning("pod watch broke: %r; resuming from %s", e, version)
+            except Exception:  # a bug here must not end discovery for good
+                log.exception("pod watch failed; resuming from %s", version)
+            finally:
+                await stream.aclose()
+            await asyncio.sleep(s.retry_s)
+
+    def _expired(self, e: Exception) -> bool:
+        """410 Gone: in an ERROR event of the stream (lightkube's ApiError), or as the watch
+        request's own status (a plain HTTPStatusError: lightkube streams it unparsed)."""
+        if isinstance(e, self._lk.ApiError):
+            return e.status.code == 410
+        return isinstance(e, self._httpx.HTTPStatusError) and e.response.status_code == 410
+
+    async def _retry_pending(self) -> None:
+        """Ready pods without a worker (endpoints unreadable, add refused): try again."""
+        while True:
+            await asyncio.sleep(self.settings.retry_s)
+            for name in [n for n in self._problems if n in self.pods]:
+                self._kick(name)
+
+    def _kick(self, name: str) -> None:
+        """Pod ``name`` changed: reconcile it, in its own task (one slow pod's
+        ``/kv_event_sources`` delays no other), once more if it changes meanwhile."""
+        self._dirty.add(name)
+        if name not in self._tasks:
+            self._tasks[name] = asyncio.create_task(self._reconcile(name), name=f"k8s-pod-{name}")
+
+    async def _reconcile(self, name: str) -> None:
+        try:
+            while name in self._dirty:
+                self._dirty.discard(name)
+                pod = self.pods.get(name)
+                want: WorkerConfig | None = None
+                why = None
+                if pod is not None and pod_ready(pod):
+                    try:
+                        want = await self._describe(pod, self._http)
+                    except PodNotUsable as e:
+                        why = str(e)
+                if name in self._dirty:
+                    continue  # a newer state arrived while we were reading this one
+                async with self._lock:  # one change to the worker set at a time
+                    await self._apply(name, want, why)
+        except Exception:  # a bug here must not leave the pod unreconciled for good
+            log.exception("kubernetes discovery: reconciling pod %s failed", name)
+            self._problems.setdefault(name, "reconciling failed")
+        finally:  # no await since the loop's test: a kick from now on starts a new task
+            self._tasks.pop(name, None)
+
+    async def _apply(self, name: str, want: WorkerConfig | None, why: str | None) -> None:
+        sink = self.sink
+        assert sink is not None
+        have = self.workers.get(name)
+        if why is not None:
+            self._problem(name, why)
+            if have is not None:  # readiness removes a worker, not one failed read of a pod
+                return
+        elif want == have:
+            self._problems.pop(name, None)
+        if want == have:
+            return
+        if have is not None:
+            del self.workers[name]
+            try:
+                await sink.remove_worker(name)
+                log.info("kubernetes discovery: removed worker %s", name)
+            except RouterError as e:  # removed by DELETE /workers meanwhile
+                log.info("kubernetes discovery: worker %s was already gone: %s", name, e)
+        if want is not None:
+            try:
+                await sink.add_worker(want, dynamic=True)
+            except RouterError as e:  # a static worker of that name, an endpoint refused...
+                self._problem(name, f"not added: {e}")
+                return
+            self.workers[name] = want
+            self._problems.pop(name, None)
+            log.info("kubernetes discovery: added worker %s at %s", name, want.url)
+
+    async def _describe(self, pod: Any, http: Any) -> WorkerConfig:
+        s = self.settings
+        if s.endpoints != "kv_event_sources":
+            return worker_for_pod(pod, s)
+        base = worker_for_pod(pod, s)  # the HTTP port (annotation or default)
+        return worker_for_pod(pod, s, await self._sources(http, base.base_url))
+
+    async def _sources(self, http: Any, base_url: str) -> list[_Source]:
+        """vLLM's ``GET /kv_event_sources`` on the pod (a URL built from the API server's pod IP,
+        never from a client), read to at most 64 KiB."""
+        url = base_url + "/kv_event_sources"
+        try:
+            async with http.stream("GET", url) as resp:
+                if resp.status_code != 200:
+                    raise PodNotUsable(f"GET {url} answered {resp.status_code}")
+                body = bytearray()
+                async for chunk in resp.aiter_bytes():
+                    body += chunk
+                    if len(body) > _MAX_SOURCES_BYTES:
+                        raise PodNotUsable(f"GET {url}: answer larger than 64 KiB")
+        except self._httpx.HTTPError as e:
+            raise PodNotUsable(f"GET {url} failed: {e!r}") from e
+        try:
+            return _decode_sources(bytes(body))
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise PodNotUsable(f"GET {url}: not a list of KV event sources: {e}") from e
+
+    def _problem(self, name: str, why: str) -> None:
+        if self._problems.get(name) != why:
+            log.warning("kubernetes discovery: pod %s is not a worker: %s", name, why)
+        self._problems[name] = why

@@ -1,0 +1,231 @@
+"""``deploy/kubernetes/``: every manifest validated against the Kubernetes schemas
+(``kubernetes-validate``, which ships them: offline), and each overlay composed the way kustomize
+composes it (resources, directories, namespace, patches by kind and name, images; the CI stage
+compares this with kustomize's own render, object for object) and checked against the
+code it configures: the router's ConfigMap loads with ``router.settings``, the worker pods carry
+the discovery labels and annotations that ``router.discovery`` turns into workers, and the KV event
+flags of vLLM and SGLang publish on the annotated ports. The real kustomize render of the same
+overlays runs in the CI stage ``tests/stages/kubernetes`` (it needs a ``kubectl``)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import msgspec
+import pytest
+import yaml
+
+from router.discovery import pod_ready, worker_for_pod
+from router.settings import load_settings
+
+ROOT = Path(__file__).resolve().parents[3]
+K8S = ROOT / "deploy" / "kubernetes"
+OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir())
+KUBE_VERSION = "1.30.0"  # the oldest Kubernetes release the manifests promise to fit
+
+
+def docs(path: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def manifest_files() -> list[Path]:
+    """Every whole object file; patches are partial objects, checked once composed."""
+    patches = {
+        (k.parent / p["path"]).resolve()
+        for k in K8S.rglob("kustomization.yaml")
+        for p in yaml.safe_load(k.read_text()).get("patches", [])
+    }
+    return sorted(
+        p for p in K8S.rglob("*.yaml") if p.name != "kustomization.yaml" and p not in patches
+    )
+
+
+def strategic_merge(base: Any, patch: Any) -> Any:
+    """Enough of kustomize's strategic merge for these patches: maps merge, lists of named
+    items (containers, env) merge by name, other lists replace."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        out = dict(base)
+        for k, v in patch.items():
+            out[k] = strategic_merge(base[k], v) if k in base else v
+        return out
+    if isinstance(base, list) and isinstance(patch, list) and all("name" in x for x in patch):
+        out_list = list(base)
+        added = []
+        for item in patch:
+            i = next((i for i, x in enumerate(out_list) if x.get("name") == item["name"]), None)
+            if i is None:
+                added.append(item)
+            else:
+                out_list[i] = strategic_merge(out_list[i], item)
+        return added + out_list  # kustomize puts a patch's new items first
+    return patch
+
+
+def compose(directory: Path) -> list[dict[str, Any]]:
+    """A kustomization's objects, composed as kustomize does for the fields used here."""
+    k = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    unknown = set(k) - {"apiVersion", "kind", "namespace", "resources", "patches", "images"}
+    assert not unknown, f"{directory}: fields this check does not model: {unknown}"
+    objs: list[dict[str, Any]] = []
+    for res in k.get("resources", []):
+        path = (directory / res).resolve()
+        objs += compose(path) if path.is_dir() else docs(path)
+    for patch in k.get("patches", []):
+        (p,) = docs(directory / patch["path"])
+        key = (p["kind"], p["metadata"]["name"])
+        targets = [i for i, o in enumerate(objs) if (o["kind"], o["metadata"]["name"]) == key]
+        assert len(targets) == 1, f"{directory}: patch {patch['path']} matches {len(targets)}"
+        objs[targets[0]] = strategic_merge(objs[targets[0]], p)
+    for o in objs:
+        if "namespace" in k and o["kind"] != "Namespace":
+            o.setdefault("metadata", {})["namespace"] = k["namespace"]
+            for subject in o.get("subjects", []):  # a binding's service accounts move with it
+                if subject["kind"] == "ServiceAccount":
+                    subject["namespace"] = k["namespace"]
+    for img in k.get("images", []):
+        for o in objs:
+            for c in pod_spec(o).get("containers", []) if o["kind"] == "Deployment" else []:
+                if c["image"] == img["name"]:
+                    c["image"] = f"{img.get('newName', img['name'])}:{img['newTag']}"
+    return copy.deepcopy(objs)
+
+
+def pod_spec(o: dict[str, Any]) -> dict[str, Any]:
+    return o["spec"]["template"]["spec"]  # type: ignore[no-any-return]
+
+
+def find(objs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    (o,) = [o for o in objs if o["kind"] == kind and o["metadata"]["name"] == name]
+    return o
+
+
+@pytest.mark.parametrize("path", manifest_files(), ids=lambda p: str(p.relative_to(K8S)))
+def test_every_manifest_matches_the_kubernetes_schema(path: Path) -> None:
+    found = docs(path)
+    assert found, f"{path} holds no object"
+    for obj in found:
+        # strict: an unknown or misspelt field fails too
+        kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+
+
+def test_the_schema_check_rejects_a_wrong_manifest() -> None:
+    (dep,) = docs(K8S / "base" / "router-deployment.yaml")
+    dep["spec"]["replicas"] = "two"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(dep, KUBE_VERSION, strict=True)
+    dep["spec"]["replicas"] = 2
+    pod_spec(dep)["containers"][0]["livenessProbes"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(dep, KUBE_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_composes_into_a_router_that_discovers_its_workers(overlay: str) -> None:
+    objs = compose(K8S / "overlays" / overlay)
+    for o in objs:
+        kubernetes_validate.validate(o, KUBE_VERSION, strict=True)
+    names = [(o["kind"], o["metadata"]["name"]) for o in objs]
+    assert len(names) == len(set(names)), "an object defined twice"
+    assert {o["metadata"].get("namespace") for o in objs if o["kind"] != "Namespace"} == {
+        "kvrouter"
+    }
+
+    router = find(objs, "Deployment", "kvrouter")
+    spec = pod_spec(router)
+    (c,) = spec["containers"]
+    assert router["spec"]["replicas"] == 2
+    assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
+    assert spec["securityContext"]["runAsNonRoot"] and spec["securityContext"]["runAsUser"] == 10001
+    assert c["image"] == "kvrouter:0.1.0" and c["args"][0] == "serve"
+    # the Service and the PDB select the router pods
+    labels = router["spec"]["template"]["metadata"]["labels"]
+    for kind, field in (("Service", ("spec", "selector")), ("PodDisruptionBudget", None)):
+        o = find(objs, kind, "kvrouter")
+        sel = o["spec"]["selector"] if field else o["spec"]["selector"]["matchLabels"]
+        assert sel.items() <= labels.items(), f"the {kind} selects no router pod"
+    # the admin key comes from the Secret, which has that key
+    (env,) = [e for e in c["env"] if e["name"] == "KVROUTER_ADMIN_KEY"]
+    ref = env["valueFrom"]["secretKeyRef"]
+    assert ref["key"] in find(objs, "Secret", ref["name"])["stringData"]
+    # the config file mounted from the ConfigMap is a valid router config
+    (vol,) = [v for v in spec["volumes"] if "configMap" in v]
+    (mount,) = [m for m in c["volumeMounts"] if m["name"] == vol["name"]]
+    cm = find(objs, "ConfigMap", vol["configMap"]["name"])
+    config_path = c["args"][c["args"].index("--config") + 1]
+    assert config_path == f"{mount['mountPath']}/router.yaml"
+    raw = cm["data"]["router.yaml"]
+    env_vars = {e["name"]: e.get("value", "from-a-secret") for e in c["env"]}
+    settings = load_settings(environ=env_vars, overrides=yaml.safe_load(raw))
+    disc = settings.kubernetes.discovery
+    assert disc.enabled and settings.host == "0.0.0.0"
+    assert c["ports"][0]["containerPort"] == settings.port
+    # the router may list and watch pods
+    role = find(objs, "Role", "kvrouter-discovery")
+    assert {"list", "watch"} <= set(role["rules"][0]["verbs"])
+    assert spec["serviceAccountName"] == "kvrouter"
+
+    # every worker Deployment: its pods are discovered, with the ports they really use
+    workers = [
+        o
+        for o in objs
+        if o["kind"] == "Deployment"
+        and disc.labels.items() <= o["spec"]["template"]["metadata"]["labels"].items()
+    ]
+    assert workers, f"{overlay}: no pod carries the discovery labels {disc.labels}"
+    for w in workers:
+        (wc,) = pod_spec(w)["containers"]
+        pod = _as_ready_pod(w)
+        cfg = worker_for_pod(pod, disc)
+        ports = {p["containerPort"] for p in wc["ports"]}
+        assert int(cfg.url.rsplit(":", 1)[1]) in ports
+        assert int(cfg.events_endpoint.rsplit(":", 1)[1]) in ports
+        assert cfg.replay_endpoint and int(cfg.replay_endpoint.rsplit(":", 1)[1]) in ports
+        assert wc["readinessProbe"]["httpGet"]["path"] == "/health"
+        _check_kv_event_flags(wc, cfg.events_endpoint, cfg.replay_endpoint)
+
+
+def _as_ready_pod(deployment: dict[str, Any]) -> Any:
+    """The pod a Deployment makes, as the API server would show it once ready."""
+    from lightkube.resources.core_v1 import Pod
+
+    tpl = deployment["spec"]["template"]
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {**tpl["metadata"], "name": deployment["metadata"]["name"] + "-0"},
+        "spec": tpl["spec"],
+        "status": {
+            "phase": "Running",
+            "podIP": "10.1.2.3",
+            "conditions": [{"type": "Ready", "status": "True"}],
+        },
+    }
+    obj = msgspec.json.decode(json.dumps(pod).encode(), type=Pod)
+    assert pod_ready(obj)
+    return obj
+
+
+def _check_kv_event_flags(c: dict[str, Any], events: str, replay: str | None) -> None:
+    args = c.get("args", [])
+    port = events.rsplit(":", 1)[1]
+    if any(a.startswith("--kv-events-config=") for a in args):  # vLLM, SGLang
+        (flag,) = [a for a in args if a.startswith("--kv-events-config=")]
+        conf = json.loads(flag.split("=", 1)[1])
+        assert conf["publisher"] == "zmq"
+        assert conf["endpoint"] == f"tcp://*:{port}"
+        assert (
+            replay is not None and conf["replay_endpoint"] == f"tcp://*:{replay.rsplit(':', 1)[1]}"
+        )
+        if "vllm" in c["image"]:
+            assert conf["enable_kv_cache_events"] is True
+    else:  # the bundled engine
+        assert args[0] == "engine"
+        assert args[args.index("--events") + 1] == f"tcp://*:{port}"
+        assert replay is not None
+        assert args[args.index("--replay") + 1] == f"tcp://*:{replay.rsplit(':', 1)[1]}"

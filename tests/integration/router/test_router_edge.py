@@ -1,0 +1,276 @@
+"""The HTTP edge against hostile peers (issue 11), over real sockets: workers that break HTTP
+framing (small raw asyncio servers on 127.0.0.1 that send exactly the bytes each case needs) and
+clients that send what no well-behaved client would (raw sockets and the official clients)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import httpx
+import pytest
+from router_fakeworker import wait_for
+
+from router.settings import WorkerConfig
+
+Answer = Callable[[bytes], Awaitable[bytes]]
+
+
+class RawWorker:
+    """An OpenAI-ish worker written at the byte level: answers GET /health and /v1/models
+    properly and every POST with ``answer(request)``; counts the POSTs it received."""
+
+    def __init__(self, answer: Answer) -> None:
+        self.answer = answer
+        self.posts: list[bytes] = []
+        self.heads: list[bytes] = []
+        self.server: asyncio.Server | None = None
+
+    async def _serve(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await r.readuntil(b"\r\n\r\n")
+                n = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        n = int(line.split(b":")[1])
+                body = await r.readexactly(n)
+                if head.startswith(b"GET "):
+                    data = b'{"object":"list","data":[]}'
+                    w.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data))
+                else:
+                    self.posts.append(body)
+                    self.heads.append(head)
+                    w.write(await self.answer(body))
+                await w.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            w.close()
+
+    async def start(self) -> RawWorker:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return self
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    def spec(self, wid: str) -> dict[str, object]:
+        with socket.socket() as s:  # an event endpoint nobody publishes on
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        return {"id": wid, "url": self.url, "events_endpoint": f"tcp://127.0.0.1:{port}"}
+
+
+@pytest.fixture
+async def raw() -> AsyncIterator[Callable[[Answer], Awaitable[RawWorker]]]:
+    made: list[RawWorker] = []
+
+    async def make(answer: Answer) -> RawWorker:
+        made.append(await RawWorker(answer).start())
+        return made[-1]
+
+    yield make
+    for w in made:
+        assert w.server is not None
+        w.server.close()
+
+
+def fixed(data: bytes) -> Answer:
+    async def answer(_: bytes) -> bytes:
+        return data
+
+    return answer
+
+
+async def routed(router, workers: list[tuple[str, RawWorker]], **settings):  # type: ignore[no-untyped-def]
+    r = await router(workers=[w.spec(wid) for wid, w in workers], ready=False, **settings)
+    ids = {wid for wid, _ in workers}
+    await wait_for(
+        lambda: sum(st.healthy for st in r.state.registry.states() if st.id in ids) == len(ids),
+        20,
+        "healthy",
+    )
+    return r
+
+
+def err(resp: httpx.Response, status: int) -> str:
+    assert resp.status_code == status, (resp.status_code, resp.text)
+    body = resp.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return str(body["error"]["message"])
+
+
+async def test_overlong_body_never_reaches_the_next_client(router, raw, http) -> None:
+    """A worker answering ``{"a":1}`` under ``Content-Length: 2``: the next client gets its own
+    answer, never the 5 bytes left over from the first."""
+    n = 0
+
+    async def answer(_: bytes) -> bytes:
+        nonlocal n
+        n += 1
+        if n == 1:
+            return b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{"a":1}'
+        data = b'{"n":%d}' % n
+        return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data)
+
+    w = await raw(answer)
+    r = await routed(router, [("w", w)])
+    first = await http.post(r.url + "/v1/completions", json={"prompt": "one"})
+    assert first.status_code in (200, 502) and b":1}" not in first.content
+    second = await http.post(r.url + "/v1/completions", json={"prompt": "two"})
+    assert second.status_code == 200 and second.json() == {"n": 2}
+
+
+async def test_a_post_goes_to_one_worker_once(router, raw, http) -> None:
+    """Junk instead of a response: 502, and no second copy to this or any other worker."""
+    bad = await raw(fixed(b"this is not HTTP\r\n\r\n"))
+    good = await raw(fixed(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}"))
+    r = await routed(router, [("bad", bad), ("good", good)], proxy={"retries": 2})
+    got = []
+    for i in range(6):
+        resp = await http.post(r.url + "/v1/completions", json={"prompt": f"p{i}" * 40})
+        got.append((resp.status_code, resp.headers.get("x-kvrouter-worker")))
+    assert len(bad.posts) + len(good.posts) == 6  # one copy per request, whatever happened
+    assert {s for s, _ in got} <= {200, 502}
+
+
+async def test_a_refused_connection_moves_to_the_next_worker(router, raw, http) -> None:
+    good = await raw(fixed(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}"))
+    gone = await raw(fixed(b""))
+    r = await routed(router, [("gone", gone), ("good", good)])
+    assert gone.server is not None
+    gone.server.close()  # nothing listens: provably received nothing
+    await gone.server.wait_closed()
+    for i in range(4):
+        resp = await http.post(r.url + "/v1/completions", json={"prompt": f"q{i}"})
+        assert resp.status_code == 200 and resp.headers["x-kvrouter-worker"] == "good"
+
+
+@pytest.mark.parametrize("ctype", [b"text/plain\rX-Evil: 1", b"text/plain\nX-Evil: 1"])
+async def test_worker_headers_never_reach_the_client_raw(router, raw, http, ctype) -> None:
+    w = await raw(
+        fixed(b"HTTP/1.1 200 OK\r\nContent-Type: " + ctype + b"\r\nContent-Length: 2\r\n\r\n{}")
+    )
+    r = await routed(router, [("w", w)])
+    resp = await http.post(r.url + "/v1/completions", json={"prompt": "x"})
+    assert "x-evil" not in resp.headers
+    assert resp.status_code in (200, 502)
+    if resp.status_code == 200:
+        assert resp.headers["content-type"] in ("application/json", "text/plain")
+
+
+def test_worker_ids_are_plain_names() -> None:
+    for bad in ("a\r\nX-Evil: 1", "a b", "", "a/b", "x" * 129, "é"):
+        with pytest.raises(ValueError, match="`id`"):
+            WorkerConfig(id=bad, url="http://h:1", events_endpoint="tcp://h:2")
+    WorkerConfig(id="vllm-0.pod:1_a", url="http://h:1", events_endpoint="tcp://h:2")
+
+
+async def test_admin_endpoints_are_closed_without_a_key(router, http) -> None:
+    r = await router(workers=[], ready=False, admin_open=False)
+    spec = {"id": "x", "url": "http://169.254.169.254", "events_endpoint": "tcp://127.0.0.1:1"}
+    assert "admin_key" in err(await http.get(r.url + "/workers"), 403)
+    assert "admin_key" in err(await http.post(r.url + "/workers", json=spec), 403)
+    err(await http.delete(r.url + "/workers/x"), 403)
+    assert [st.id for st in r.state.registry.states()] == []  # nothing registered or called
+
+
+@pytest.mark.parametrize("path", ["/route", "/v1/completions", "/v1/chat/completions"])
+async def test_malformed_json_is_a_400(router, http, path) -> None:
+    r = await router(workers=[], ready=False)
+    for body in (b'{"prompt":"\xff"}', b'{"prompt": "a"' + b" " * 10):
+        err(await http.post(r.url + path, content=body), 400)
+    nested = b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b', "messages": []}'
+    resp = await http.post(r.url + path, content=nested)
+    assert resp.status_code in (400, 422)  # a clear client error, never a 500
+    err(resp, resp.status_code)
+
+
+async def test_route_rejects_token_ids_out_of_range(router, http) -> None:
+    r = await router(workers=[], ready=False)
+    for ids in ([-1, 2], [2, 1 << 63], [1 << 64]):
+        assert "token_ids" in err(await http.post(r.url + "/route", json={"token_ids": ids}), 422)
+
+
+async def test_overall_head_deadline_and_body_cap(router, raw, http) -> None:
+    async def trickle(_: bytes) -> bytes:
+        await asyncio.sleep(0.6)  # pacing of the hostile worker before its head
+        return b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}"
+
+    slow = await raw(trickle)
+    r = await routed(router, [("slow", slow)], proxy={"read_timeout_s": 0.3, "retries": 0})
+    err(await http.post(r.url + "/v1/completions", json={"prompt": "x"}), 504)
+
+    big = b"x" * (2 << 20)
+    huge = await raw(fixed(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(big), big)))
+    r2 = await routed(router, [("huge", huge)], proxy={"max_response_bytes": 1 << 20})
+    assert "BodyTooLarge" in err(
+        await http.post(r2.url + "/v1/completions", json={"prompt": "x"}), 502
+    )
+
+
+async def test_half_sent_body_times_out(router) -> None:
+    r = await router(workers=[], ready=False, server={"body_timeout_s": 0.3})
+    port = int(r.url.rsplit(":", 1)[1])
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b'POST /route HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"tok')
+    await writer.drain()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    assert head.startswith(b"HTTP/1.1 408 ")
+    writer.close()
+
+
+async def test_post_with_h2c_upgrade_keeps_its_body(router) -> None:
+    r = await router(workers=[], ready=False)
+    port = int(r.url.rsplit(":", 1)[1])
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    body = b'{"token_ids": [1, 2, 3]}'
+    writer.write(
+        b"POST /route HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+        b"Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    await writer.drain()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    writer.close()
+    assert not head.startswith(b"HTTP/1.1 400"), head
+    assert head.startswith((b"HTTP/1.1 200 ", b"HTTP/1.1 503 ")), head  # 503: no worker here
+
+
+async def test_unfinished_oversized_head_is_refused(router) -> None:
+    r = await router(workers=[], ready=False, server={"max_header_bytes": 8192})
+    port = int(r.url.rsplit(":", 1)[1])
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ")
+    try:  # an unfinished head that keeps growing: refused, not buffered to the end
+        for _ in range(64):
+            writer.write(b"a" * 16384)
+            await writer.drain()
+    except ConnectionError:
+        pass
+    answer = await asyncio.wait_for(reader.read(4096), 10)
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 400 ") or answer == b"", answer[:80]
+
+
+async def test_request_id_echoed_forwarded_and_logged(router, raw, http, caplog) -> None:
+    w = await raw(fixed(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}"))
+    r = await routed(router, [("w", w)])
+    caplog.set_level("INFO", logger="kvrouter.access")
+    resp = await http.post(
+        r.url + "/v1/completions", json={"prompt": "x"}, headers={"x-request-id": "abc-123"}
+    )
+    assert resp.headers["x-request-id"] == "abc-123"
+    assert b"x-request-id: abc-123\r\n" in w.heads[-1].lower()  # forwarded to the worker
+    made = await http.get(r.url + "/health")
+    assert len(made.headers["x-request-id"]) == 32  # generated
+    bad = await http.get(r.url + "/health", headers={"x-request-id": "no spaces allowed"})
+    assert bad.headers["x-request-id"] != "no spaces allowed"
+    lines = [rec for rec in caplog.records if rec.name == "kvrouter.access"]
+    proxied = [rec.access for rec in lines if rec.access["request_id"] == "abc-123"]  # type: ignore[attr-defined]
+    assert proxied and proxied[0]["status"] == 200 and proxied[0]["worker"] == "w"
+    assert proxied[0]["path"] == "/v1/completions" and proxied[0]["bytes"] == 2

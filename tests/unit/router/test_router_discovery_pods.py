@@ -1,0 +1,147 @@
+"""``router.discovery``'s pure parts: which pods are ready, and the worker a pod stands for
+(annotations, defaults, vLLM's ``/kv_event_sources`` answer), with every bad input refused by
+name."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+import pytest
+from lightkube.resources.core_v1 import Pod
+
+from router.discovery import PodNotUsable, _Source, pod_ready, worker_for_pod
+from router.settings import DiscoverySettings
+
+S = DiscoverySettings(enabled=True)
+
+
+def pod(
+    *,
+    ip: str = "10.0.0.7",
+    ready: str = "True",
+    phase: str = "Running",
+    annotations: dict[str, str] | None = None,
+    deleting: bool = False,
+) -> Any:
+    meta: dict[str, Any] = {"name": "w-0", "annotations": annotations or {}}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    d = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": meta,
+        "spec": {"containers": [{"name": "c"}]},
+        "status": {"phase": phase, "podIP": ip, "conditions": [{"type": "Ready", "status": ready}]},
+    }
+    return msgspec.json.decode(json.dumps(d).encode(), type=Pod)
+
+
+def src(rank: int, ep: str, replay: str | None = None) -> _Source:
+    return _Source(endpoint=ep, data_parallel_rank=rank, replay_endpoint=replay)
+
+
+def test_ready_means_running_ready_addressed_and_not_terminating() -> None:
+    assert pod_ready(pod())
+    assert not pod_ready(pod(ready="False"))
+    assert not pod_ready(pod(phase="Pending"))
+    assert not pod_ready(pod(ip=""))
+    assert not pod_ready(pod(deleting=True))
+
+
+def test_defaults_and_annotations() -> None:
+    w = worker_for_pod(pod(), S)
+    assert (w.id, w.url) == ("w-0", "http://10.0.0.7:8000")
+    assert (w.events_endpoint, w.replay_endpoint) == ("tcp://10.0.0.7:5557", "tcp://10.0.0.7:5558")
+    ann = {
+        "kvrouter.io/http-port": "30000",
+        "kvrouter.io/events-port": "6000",
+        "kvrouter.io/replay-port": "none",
+        "kvrouter.io/dp-ranks": "4",
+        "kvrouter.io/model": "m",
+        "kvrouter.io/pool": "redis",
+    }
+    w = worker_for_pod(pod(annotations=ann), S)
+    assert w.url == "http://10.0.0.7:30000" and w.events_endpoint == "tcp://10.0.0.7:6000"
+    assert (w.replay_endpoint, w.dp_ranks, w.model, w.pool) == (None, 4, "m", "redis")
+    no_replay = DiscoverySettings(enabled=True, replay_port=None)
+    assert worker_for_pod(pod(), no_replay).replay_endpoint is None
+
+
+def test_ipv6_pod_addresses_are_bracketed() -> None:
+    w = worker_for_pod(pod(ip="fd00::7"), S)
+    assert w.url == "http://[fd00::7]:8000" and w.events_endpoint == "tcp://[fd00::7]:5557"
+
+
+@pytest.mark.parametrize(
+    ("ann", "named"),
+    [
+        ({"kvrouter.io/http-port": "http"}, "kvrouter.io/http-port"),
+        ({"kvrouter.io/events-port": "70000"}, "kvrouter.io/events-port"),
+        ({"kvrouter.io/replay-port": "-1"}, "kvrouter.io/replay-port"),
+        ({"kvrouter.io/dp-ranks": "two"}, "kvrouter.io/dp-ranks"),
+        ({"kvrouter.io/dp-ranks": "0"}, "dp_ranks"),
+    ],
+)
+def test_bad_annotations_are_refused_by_name(ann: dict[str, str], named: str) -> None:
+    with pytest.raises(PodNotUsable, match=named):
+        worker_for_pod(pod(annotations=ann), S)
+
+
+def test_kv_event_sources_wildcards_take_the_pod_ip_and_ranks_count() -> None:
+    sources = [
+        src(1, "tcp://*:5558", "tcp://0.0.0.0:6001"),
+        src(0, "tcp://*:5557", "tcp://0.0.0.0:6000"),
+    ]
+    w = worker_for_pod(pod(), S, sources)
+    assert w.events_endpoint == "tcp://10.0.0.7:5557" and w.replay_endpoint == "tcp://10.0.0.7:6000"
+    assert w.dp_ranks == 2
+    w = worker_for_pod(pod(), S, [src(0, "tcp://10.9.9.9:7000")])
+    assert (w.events_endpoint, w.replay_endpoint) == ("tcp://10.9.9.9:7000", None)
+
+
+@pytest.mark.parametrize(
+    ("sources", "why"),
+    [
+        ([], "no source"),
+        ([src(0, "tcp://*:5557"), src(2, "tcp://*:5559")], "0..n-1"),
+        ([src(0, "tcp://*:5557"), src(1, "tcp://*:5600")], "port base \\+ r"),
+        ([src(0, "tcp://*:5557", "tcp://*:6000"), src(1, "tcp://*:5558")], "some ranks only"),
+        ([src(0, "ipc:///tmp/kv")], "not tcp://host:port"),
+        ([src(0, "tcp://*:port")], "not tcp://host:port"),
+    ],
+)
+def test_unusable_kv_event_sources_are_refused(sources: list[_Source], why: str) -> None:
+    with pytest.raises(PodNotUsable, match=why):
+        worker_for_pod(pod(), S, sources)
+
+
+def test_discovery_settings_are_checked_by_key() -> None:
+    from router.errors import ConfigError
+    from router.settings import load_settings
+
+    def bad(disc: dict[str, Any]) -> str:
+        with pytest.raises(ConfigError) as e:
+            load_settings(environ={}, overrides={"kubernetes": {"discovery": disc}})
+        return str(e.value)
+
+    assert "kubernetes.discovery.labels" in bad({"labels": {}})
+    assert "kubernetes.discovery.labels.bad key" in bad({"labels": {"bad key": "x"}})
+    assert "kubernetes.discovery.endpoints" in bad({"endpoints": "dns"})
+    assert "kubernetes.discovery.http_port" in bad({"http_port": 0})
+    assert "kubernetes.discovery.api_server" in bad({"api_server": "file:///etc/passwd"})
+    assert "kubernetes.discovery.enabled" in bad({"enabled": "yes please"})
+
+
+def test_no_kubernetes_api_access_fails_the_start_by_name(tmp_path, monkeypatch) -> None:
+    """Discovery on, outside a pod, no kubeconfig: ``create_app`` refuses (``kvrouter serve``
+    prints it and exits 2) rather than a router that silently never finds a worker."""
+    from router.app import create_app
+    from router.errors import ConfigError
+    from router.settings import load_settings
+
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "no-such-kubeconfig"))
+    settings = load_settings(environ={}, overrides={"kubernetes": {"discovery": {"enabled": True}}})
+    with pytest.raises(ConfigError, match=r"kubernetes\.discovery: no Kubernetes API access"):
+        create_app(settings)
