@@ -1,4 +1,5 @@
-"""The engine's HTTP server: OpenAI completions/chat, tokenize, metrics, cache control.
+"""The engine's HTTP server: OpenAI completions/chat, tokenize, metrics, cache control
+(and SGLang's worker info endpoints, from :mod:`engine.sglang_compat`).
 
 ``create_app(settings)`` builds everything; the lifespan owns the engine core, its loop thread,
 the ZMQ publisher and the metrics registry (``app.state.kv``). No module-level state. Errors are
@@ -20,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from engine import sglang_compat
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.config import ServerSettings
 from engine.engine import InvalidRequestError, LLMEngine, RequestOutput
@@ -113,6 +115,7 @@ def create_app(
             await asyncio.to_thread(core.close)
 
     app = FastAPI(title="kvrouter engine", lifespan=lifespan)
+    app.include_router(sglang_compat.router)  # /model_info, /server_info for sglang-router
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> Response:

@@ -25,8 +25,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
+from typing import TextIO
 
-__all__ = ["ENGINE_READY", "ROUTER_READY", "main"]
+__all__ = [
+    "ENGINE_READY",
+    "ROUTER_READY",
+    "Child",
+    "UpError",
+    "engine_argv",
+    "main",
+    "router_argv",
+    "spawn",
+    "stop_children",
+    "worker_spec",
+]
 
 ENGINE_READY = re.compile(r"kvrouter engine ready http=(\S+) events=(\S+) replay=(\S+)")
 ROUTER_READY = re.compile(r"kvrouter router listening on (http://\S+)")
@@ -41,13 +53,17 @@ class Child:
     name: str
     proc: subprocess.Popen[str]
     lines: queue.Queue[str] = field(default_factory=queue.Queue)
+    #: where the child's output is echoed, prefixed with its name (None: this process's stderr)
+    log: TextIO | None = None
+    pumping: threading.Thread | None = None
 
     def pump(self) -> None:
         """Echo the child's output with its name, and keep it for the ready-line search."""
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.put(line)
-            sys.stderr.write(f"[{self.name}] {line}")
+        with self.proc.stdout:  # closed at EOF: the child is gone
+            for line in self.proc.stdout:
+                self.lines.put(line)
+                (self.log or sys.stderr).write(f"[{self.name}] {line}")
         self.lines.put("")
 
     def wait_line(
@@ -112,7 +128,48 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-def _spawn(name: str, argv: list[str]) -> Child:
+def engine_argv(
+    seed: int,
+    *,
+    runner: str = "sim",
+    block_size: int = 16,
+    gpu_blocks: int = 2048,
+    cpu_blocks: int = 0,
+    speedup: float = 1.0,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """One bundled engine on free loopback ports (HTTP, events, replay); it prints ENGINE_READY."""
+    return [
+        sys.executable, "-m", "engine", "--port", "0",
+        "--events", "tcp://127.0.0.1:0", "--replay", "tcp://127.0.0.1:0",
+        "--runner", runner, "--block-size", str(block_size),
+        "--gpu-blocks", str(gpu_blocks), "--cpu-blocks", str(cpu_blocks),
+        "--speedup", str(speedup), "--seed", str(seed), *extra,
+    ]  # fmt: skip
+
+
+def worker_spec(name: str, ready: re.Match[str], pool: str | None = None) -> str:
+    """The router's ``--worker`` spec for an engine, from its ENGINE_READY line."""
+    url, events, replay = ready.groups()
+    spec = f"id={name},url={url},events={events}" + (f",pool={pool}" if pool else "")
+    return spec + (f",replay={replay}" if replay != "none" else "")
+
+
+def router_argv(
+    specs: Sequence[str], *, host: str = "127.0.0.1", port: int = 0, block_size: int = 16
+) -> list[str]:
+    """The router in front of those workers; it prints ROUTER_READY with its bound URL."""
+    argv = [sys.executable, "-m", "router", "--host", host, "--port", str(port)]
+    argv += ["--block-size", str(block_size)]
+    for spec in specs:
+        argv += ["--worker", spec]
+    return argv
+
+
+def spawn(
+    name: str, argv: list[str], log: TextIO | None = None, env: dict[str, str] | None = None
+) -> Child:
+    """Start a child with this tree on its PYTHONPATH (plus ``env``); its output is pumped."""
     proc = subprocess.Popen(
         argv,
         stdout=subprocess.PIPE,
@@ -120,14 +177,15 @@ def _spawn(name: str, argv: list[str]) -> Child:
         stdin=subprocess.DEVNULL,
         text=True,
         bufsize=1,
-        env=_child_env(),
+        env={**_child_env(), **(env or {})},
     )
-    child = Child(name, proc)
-    threading.Thread(target=child.pump, name=f"pump-{name}", daemon=True).start()
+    child = Child(name, proc, log=log)
+    child.pumping = threading.Thread(target=child.pump, name=f"pump-{name}", daemon=True)
+    child.pumping.start()
     return child
 
 
-def _stop(children: Sequence[Child], timeout: float = 10.0) -> None:
+def stop_children(children: Sequence[Child], timeout: float = 10.0) -> None:
     for c in reversed(children):  # router first: it stops sending traffic
         if c.proc.poll() is None:
             c.proc.send_signal(signal.SIGTERM)
@@ -138,6 +196,9 @@ def _stop(children: Sequence[Child], timeout: float = 10.0) -> None:
         except subprocess.TimeoutExpired:
             c.proc.kill()
             c.proc.wait()
+    for c in children:  # their last lines are echoed before the caller closes its log
+        if c.pumping is not None:
+            c.pumping.join(5.0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -159,40 +220,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvrouter up: {exc}", file=sys.stderr)
         return 1
     finally:
-        _stop(children)
+        stop_children(children)
         shutil.rmtree(tmp, ignore_errors=True)
         for s, h in old.items():
             signal.signal(s, h)
 
 
 def _run(args: argparse.Namespace, tmp: Path, children: list[Child], stop: threading.Event) -> int:
-    py = sys.executable
     shared = (
         ["--external", args.external]
         if args.external
         else ["--external-dir", args.external_dir or str(tmp / "external")]
     )
-    specs = []
+    extra = [*shared, *(["--model", args.model] if args.model else []), *args.engine_arg]
     for i in range(args.workers):
-        name = f"engine-{i}"
-        argv = [
-            py, "-m", "engine", "--port", "0",
-            "--events", "tcp://127.0.0.1:0", "--replay", "tcp://127.0.0.1:0",
-            "--runner", args.runner, "--block-size", str(args.block_size),
-            "--gpu-blocks", str(args.gpu_blocks), "--cpu-blocks", str(args.cpu_blocks),
-            "--speedup", str(args.speedup), "--seed", str(i), *shared,
-            *(["--model", args.model] if args.model else []), *args.engine_arg,
-        ]  # fmt: skip
-        children.append(_spawn(name, argv))
-    for child in children:  # they start in parallel; collect their bound addresses
-        url, events, replay = child.wait_line(ENGINE_READY, args.ready_timeout, stop).groups()
-        spec = f"id={child.name},url={url},events={events},pool=local"
-        specs.append(spec + (f",replay={replay}" if replay != "none" else ""))
-    router_argv = [py, "-m", "router", "--host", args.host, "--port", str(args.port)]
-    router_argv += ["--block-size", str(args.block_size)]
-    for spec in specs:
-        router_argv += ["--worker", spec]
-    router = _spawn("router", router_argv)
+        argv = engine_argv(
+            i,
+            runner=args.runner,
+            block_size=args.block_size,
+            gpu_blocks=args.gpu_blocks,
+            cpu_blocks=args.cpu_blocks,
+            speedup=args.speedup,
+            extra=extra,
+        )
+        children.append(spawn(f"engine-{i}", argv))
+    specs = [  # they start in parallel; collect their bound addresses
+        worker_spec(c.name, c.wait_line(ENGINE_READY, args.ready_timeout, stop), pool="local")
+        for c in children
+    ]
+    router_cmd = router_argv(specs, host=args.host, port=args.port, block_size=args.block_size)
+    router = spawn("router", router_cmd)
     children.append(router)
     router_url = router.wait_line(ROUTER_READY, args.ready_timeout, stop).group(1)
     print(f"kvrouter up: router {router_url} with {args.workers} engines", flush=True)

@@ -189,3 +189,24 @@ async def test_models_tokenize_health(url: str) -> None:
         msgs = [{"role": "user", "content": "Hi"}]
         r = (await c.post("/tokenize", json={"messages": msgs})).json()
         assert bytes(r["tokens"]).decode() == "<|user|>\nHi\n<|assistant|>\n"
+
+
+async def test_sglang_worker_info_names_the_served_model(tmp_path: Path) -> None:
+    # sglang-router reads these to register a worker under its model; model_path only for a
+    # real local model directory (sglang-router would try to download a tokenizer for a label)
+    settings = _settings(tmp_path, served_model_name="m1", num_gpu_blocks=128, block_size=32)
+    async with serve(create_app(settings)) as u, httpx.AsyncClient(base_url=u, timeout=30) as c:
+        info = (await c.get("/model_info")).json()
+        server = (await c.get("/server_info")).json()
+    assert info["served_model_name"] == "m1" and info["is_generation"] is True
+    assert info["max_context_length"] == 128 * 32 and "model_path" not in info
+    assert server["served_model_name"] == "m1" and server["page_size"] == 32
+    assert server["max_total_num_tokens"] == 128 * 32 and "model_path" not in server
+    assert server["kv_events_endpoint"].startswith("tcp://127.0.0.1:")
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    settings = _settings(model=str(model_dir))
+    async with serve(create_app(settings)) as u, httpx.AsyncClient(base_url=u, timeout=30) as c:
+        info = (await c.get("/model_info")).json()
+    assert info["model_path"] == str(model_dir) and info["served_model_name"] == "model"

@@ -1,0 +1,230 @@
+"""Live replay's servers: a fresh fleet of bundled engines per policy, the router in front of it
+(kvrouter, or sglang-router from its own Python), their readiness, CPU time and counters.
+
+A :class:`Fleet` starts N sim engines on free loopback ports (the ``kvrouter up`` building blocks
+of :mod:`kvrouter.up`, GPU tier only unless engine arguments say otherwise, so every policy sees
+the same cache size), then at most one router: ``kvrouter`` (``python -m router`` with one
+``--worker`` spec per engine, optionally ``--config``) or ``sglang`` (``PYTHON -m
+sglang_router.launch_router --worker-urls ... --policy cache_aware``; a Python with the
+``sglang-router`` package, never a dependency of this project). Closing stops them all.
+
+CPU time is read from ``/proc/<pid>/stat`` (utime + stime of the process and its live
+descendants), so no psutil; on a system without ``/proc`` it is reported as unknown.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvrouter.up import (
+    ENGINE_READY,
+    ROUTER_READY,
+    Child,
+    UpError,
+    engine_argv,
+    router_argv,
+    spawn,
+    stop_children,
+    worker_spec,
+)
+
+__all__ = ["EngineCounters", "Fleet", "FleetSpec", "UpError", "cpu_seconds", "wait_until"]
+
+_PROC = Path("/proc")
+
+
+@dataclass(frozen=True)
+class FleetSpec:
+    workers: int = 8
+    block_size: int = 16
+    gpu_blocks: int = 65536
+    cpu_blocks: int = 0
+    #: the sim engines' own speedup (every modeled delay divided by it)
+    speedup: float = 1.0
+    engine_args: tuple[str, ...] = ()
+    ready_timeout: float = 120.0
+
+
+@dataclass(frozen=True)
+class EngineCounters:
+    """One engine's counters, scraped from its ``/metrics`` after a policy's run."""
+
+    requests: int
+    prompt_tokens: int
+    cached_tokens: int
+    preemptions: int
+
+
+def wait_until(cond: Callable[[], Any], timeout: float, what: str) -> Any:
+    """Poll ``cond`` until it returns something true; :class:`UpError` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise UpError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of ``pid`` and its live descendants (None: no /proc, or gone)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, tuple[int, float]] = {}  # pid -> (ppid, seconds)
+    for entry in _PROC.iterdir() if _PROC.is_dir() else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            raw = (entry / "stat").read_text()
+        except OSError:  # exited while we looked
+            continue
+        fields = raw[raw.rfind(")") + 2 :].split()  # the command name may hold spaces
+        stats[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    if pid not in stats:
+        return None
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        total += stats[p][1]
+        todo.extend(c for c, (ppid, _) in stats.items() if ppid == p)
+    return total
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class Fleet:
+    """N engines and at most one router; a context manager that stops them all on exit."""
+
+    def __init__(self, spec: FleetSpec, log: TextIO | None = None) -> None:
+        self.spec = spec
+        self.log = log
+        self.children: list[Child] = []
+        self.engine_urls: list[str] = []
+        self.worker_specs: list[str] = []
+        self.router_url: str | None = None
+        self.router_pid: int | None = None
+        self._stop = threading.Event()
+
+    def __enter__(self) -> Fleet:
+        try:
+            self.start_engines()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        stop_children(self.children)
+        self.children.clear()
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Child:
+        child = spawn(name, argv, log=self.log, env=env)
+        self.children.append(child)
+        return child
+
+    def start_engines(self) -> None:
+        s = self.spec
+        engines = [
+            self._spawn(
+                f"engine-{i}",
+                engine_argv(
+                    i,
+                    block_size=s.block_size,
+                    gpu_blocks=s.gpu_blocks,
+                    cpu_blocks=s.cpu_blocks,
+                    speedup=s.speedup,
+                    extra=["--log-level", "warning", *s.engine_args],
+                ),
+            )
+            for i in range(s.workers)
+        ]
+        for child in engines:  # they start in parallel
+            ready = child.wait_line(ENGINE_READY, s.ready_timeout, self._stop)
+            self.engine_urls.append(ready.group(1))
+            self.worker_specs.append(worker_spec(child.name, ready))
+
+    def start_kvrouter(self, config: str | None = None, env: dict[str, str] | None = None) -> str:
+        argv = router_argv(self.worker_specs, block_size=self.spec.block_size)
+        argv += ["--log-level", "warning", *(["--config", config] if config else [])]
+        child = self._spawn("router", argv, env)
+        url = child.wait_line(ROUTER_READY, self.spec.ready_timeout, self._stop).group(1)
+        wait_until(lambda: _status(url + "/ready") == 200, self.spec.ready_timeout, "router /ready")
+        self.router_url, self.router_pid = url, child.proc.pid
+        return url
+
+    def start_sglang_router(self, python: str, extra: Sequence[str] = ()) -> str:
+        port, metrics_port = _free_port(), _free_port()
+        argv = [
+            python, "-m", "sglang_router.launch_router", "--worker-urls", *self.engine_urls,
+            "--policy", "cache_aware", "--host", "127.0.0.1", "--port", str(port),
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
+            "--log-level", "warn", *extra,
+        ]  # fmt: skip
+        child = self._spawn("sglang-router", argv)
+        url = f"http://127.0.0.1:{port}"
+
+        def ready() -> bool:  # it registers workers in the background after it listens
+            if child.proc.poll() is not None:
+                raise UpError(f"sglang-router exited with status {child.proc.returncode}")
+            body = _json(url + "/readiness")
+            return body is not None and body.get("healthy_workers") == len(self.engine_urls)
+
+        wait_until(ready, self.spec.ready_timeout, "sglang-router to register every engine")
+        self.router_url, self.router_pid = url, child.proc.pid
+        return url
+
+    def router_cpu(self) -> float | None:
+        return cpu_seconds(self.router_pid) if self.router_pid is not None else None
+
+    def counters(self) -> list[EngineCounters]:
+        return [engine_counters(u) for u in self.engine_urls]
+
+
+def engine_counters(url: str) -> EngineCounters:
+    """A bundled engine's (or vLLM's: same names) request, token and preemption counters."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return EngineCounters(
+        requests=int(values.get("vllm:e2e_request_latency_seconds_count", 0)),
+        prompt_tokens=int(values.get("vllm:prompt_tokens_total", 0)),
+        cached_tokens=int(values.get("vllm:prefix_cache_hits_total", 0)),
+        preemptions=int(values.get("vllm:num_preemptions_total", 0)),
+    )
+
+
+def _status(url: str) -> int:
+    try:
+        return httpx.get(url, timeout=2).status_code
+    except httpx.HTTPError:
+        return 0
+
+
+def _json(url: str) -> dict[str, Any] | None:
+    try:
+        r = httpx.get(url, timeout=2)
+        body = r.json() if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+    return body if isinstance(body, dict) else None

@@ -1,0 +1,253 @@
+"""Live replay: one trace through each policy against running servers, one policy after another.
+
+Where the requests go (:class:`LiveTargets`): a fleet of our own, fresh for each policy
+(:mod:`kvrouter.replay.fleet`: N bundled sim engines, and kvrouter or sglang-router in front of
+them), or servers already running — a kvrouter URL, an sglang-router URL, OpenAI worker URLs for
+the client-side policies (their prefix caches are reset between policies where the workers allow
+``POST /reset_prefix_cache``). The client (:mod:`kvrouter.replay.live_client`) paces, streams and
+measures; a :class:`PolicyRun` carries what it saw plus the router's CPU seconds and the engines'
+counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TextIO
+
+import httpx
+
+from kvrouter.replay.fleet import EngineCounters, Fleet, FleetSpec, cpu_seconds, engine_counters
+from kvrouter.replay.live_client import (
+    CLIENT_POLICIES,
+    ClientPolicy,
+    LiveOutcome,
+    LiveRequest,
+    drive,
+    model_of,
+)
+
+__all__ = [
+    "PEER_POLICIES",
+    "LiveTargets",
+    "PolicyRun",
+    "add_live_arguments",
+    "run_policy",
+    "targets_from_args",
+]
+
+# ------------------------------------------------------------------------- one run per policy
+
+PEER_POLICIES = ("kvrouter", "sglang")
+
+
+@dataclass
+class LiveTargets:
+    """Where live runs go: a fresh fleet per policy (``fleet``), or servers already running."""
+
+    fleet: FleetSpec | None = None
+    #: a running kvrouter (policy ``kvrouter``) and a running sglang-router (policy ``sglang``)
+    router_url: str | None = None
+    sglang_url: str | None = None
+    #: workers for the client-side policies when there is no fleet of our own
+    worker_urls: tuple[str, ...] = ()
+    #: a Python with sglang-router installed: the fleet starts one in front of its engines
+    sglang_python: str | None = None
+    #: a router YAML for the fleet's kvrouter, and environment overrides (KVROUTER_...)
+    router_config: str | None = None
+    router_env: dict[str, str] = field(default_factory=dict)
+    #: pids whose CPU time counts as the router's when the router is not ours (0: unknown)
+    router_pid: int = 0
+
+
+@dataclass
+class PolicyRun:
+    policy: str
+    outcomes: list[LiveOutcome]
+    wall_s: float
+    #: CPU seconds the router process(es) used during the run (None: client-side or unknown)
+    router_cpu_s: float | None = None
+    #: per engine, from its /metrics after the run (empty when the workers are not ours)
+    engines: list[EngineCounters] = field(default_factory=list)
+
+
+def run_policy(
+    policy: str,
+    requests: Sequence[LiveRequest],
+    targets: LiveTargets,
+    *,
+    speedup: float,
+    seed: int = 0,
+    max_inflight: int = 2048,
+    log: TextIO | None = None,
+    on_done: Callable[[LiveOutcome], None] | None = None,
+) -> PolicyRun:
+    """Run the whole of ``requests`` through one policy; a fleet of our own is fresh for it."""
+    if policy not in CLIENT_POLICIES + PEER_POLICIES:
+        raise ValueError(
+            f"policy {policy!r} cannot run live (known: {CLIENT_POLICIES + PEER_POLICIES})"
+        )
+    if targets.fleet is None:
+        return _run_external(policy, requests, targets, speedup, seed, max_inflight, on_done)
+    with Fleet(targets.fleet, log=log) as fleet:
+        router: str | None = None
+        client: ClientPolicy | None = None
+        if policy == "kvrouter":
+            router = fleet.start_kvrouter(targets.router_config, targets.router_env)
+        elif policy == "sglang":
+            if not targets.sglang_python:
+                raise ValueError("policy sglang on a fleet needs --sglang-router-python")
+            router = fleet.start_sglang_router(targets.sglang_python)
+        else:
+            client = ClientPolicy(policy, fleet.engine_urls, seed)
+        cpu0 = fleet.router_cpu()
+        start = time.perf_counter()
+        outcomes = asyncio.run(
+            _drive(
+                requests,
+                speedup,
+                router or fleet.engine_urls[0],
+                router,
+                client,
+                max_inflight,
+                on_done,
+            )
+        )
+        wall = time.perf_counter() - start
+        cpu1 = fleet.router_cpu()
+        cpu = cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None
+        return PolicyRun(policy, outcomes, wall, cpu, fleet.counters())
+
+
+def _run_external(
+    policy: str,
+    requests: Sequence[LiveRequest],
+    t: LiveTargets,
+    speedup: float,
+    seed: int,
+    max_inflight: int,
+    on_done: Callable[[LiveOutcome], None] | None,
+) -> PolicyRun:
+    router = {"kvrouter": t.router_url, "sglang": t.sglang_url}.get(policy)
+    if policy in PEER_POLICIES and not router:
+        raise ValueError(f"policy {policy} needs its router URL (or a fleet of our own)")
+    client = None if router else ClientPolicy(policy, t.worker_urls, seed)
+    for url in t.worker_urls:  # every policy starts from empty caches, where the workers allow
+        with contextlib.suppress(httpx.HTTPError):
+            httpx.post(url.rstrip("/") + "/reset_prefix_cache", timeout=30)
+    cpu0 = cpu_seconds(t.router_pid) if router and t.router_pid else None
+    start = time.perf_counter()
+    outcomes = asyncio.run(
+        _drive(requests, speedup, router or t.worker_urls[0], router, client, max_inflight, on_done)
+    )
+    wall = time.perf_counter() - start
+    cpu1 = cpu_seconds(t.router_pid) if cpu0 is not None else None
+    cpu = cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None
+    engines = []
+    with contextlib.suppress(httpx.HTTPError, ValueError):
+        engines = [engine_counters(u) for u in t.worker_urls]
+    return PolicyRun(policy, outcomes, wall, cpu, engines)
+
+
+async def _drive(
+    requests: Sequence[LiveRequest],
+    speedup: float,
+    model_from: str,
+    router: str | None,
+    client: ClientPolicy | None,
+    max_inflight: int,
+    on_done: Callable[[LiveOutcome], None] | None,
+) -> list[LiveOutcome]:
+    async with httpx.AsyncClient(timeout=30) as c:
+        model = await model_of(c, model_from)
+    return await drive(
+        requests,
+        speedup=speedup,
+        model=model,
+        router=router,
+        policy=client,
+        max_inflight=max_inflight,
+        on_done=on_done,
+    )
+
+
+# ------------------------------------------------------------------------------- CLI options
+
+
+def add_live_arguments(p: argparse.ArgumentParser) -> None:
+    """``kvrouter replay --mode live`` options: where the requests go (see :class:`LiveTargets`)."""
+    g = p.add_argument_group("live mode (--mode live)")
+    a = g.add_argument
+    a("--router-url", help="a running kvrouter for policy kvrouter (default: a fresh fleet's)")
+    a("--sglang-router-url", help="a running sglang-router for policy sglang")
+    a(
+        "--sglang-router-python",
+        metavar="PATH",
+        help="a Python with sglang-router installed: the fleet starts it for policy sglang",
+    )
+    a(
+        "--worker-url",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="an OpenAI worker for the client-side policies (repeatable); none: a fresh fleet",
+    )
+    a("--router-pid", type=int, default=0, help="pid whose CPU counts as the given router's")
+    a("--router-config", help="router YAML for the fleet's kvrouter (weights, knobs)")
+    a(
+        "--router-env",
+        action="append",
+        type=_key_value,
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment for the fleet's kvrouter (repeatable), e.g. KVROUTER_SCORING__OVERLAP_WEIGHT=8",
+    )
+    a("--cpu-blocks", type=int, default=0, help="fleet engines' CPU_PINNED tier (default 0)")
+    a(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument for every fleet engine (repeatable), e.g. --engine-arg=--max-num-seqs=128",
+    )
+    a("--max-inflight", type=int, default=2048, help="streams open at once (default 2048)")
+    a("--children-log", help="file for the fleet's output (default: discarded)")
+
+
+def targets_from_args(
+    args: argparse.Namespace, *, workers: int, block_size: int, gpu_blocks: int, speedup: float
+) -> LiveTargets:
+    """The fleet (same shape as the virtual fleet, engines at the replay's speedup) unless
+    servers are given; a router URL with no workers still needs no fleet for its policy."""
+    external = bool(args.worker_url or args.router_url or args.sglang_router_url)
+    fleet = None
+    if not external:
+        fleet = FleetSpec(
+            workers=workers,
+            block_size=block_size,
+            gpu_blocks=gpu_blocks,
+            cpu_blocks=args.cpu_blocks,
+            speedup=speedup,
+            engine_args=tuple(args.engine_arg),
+        )
+    return LiveTargets(
+        fleet=fleet,
+        router_url=args.router_url,
+        sglang_url=args.sglang_router_url,
+        worker_urls=tuple(args.worker_url),
+        sglang_python=args.sglang_router_python,
+        router_config=args.router_config,
+        router_env=dict(args.router_env),
+        router_pid=args.router_pid,
+    )
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    key, eq, value = text.partition("=")
+    if not eq or not key:
+        raise argparse.ArgumentTypeError(f"--router-env wants KEY=VALUE, got {text!r}")
+    return key, value
