@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -31,8 +30,8 @@ from router.errors import (
     Forbidden,
     NotFound,
     RouterError,
-    Unauthorized,
     error_response,
+    require_bearer,
 )
 from router.placement import RouteEndpoint
 from router.proxy import AsgiProxy
@@ -66,11 +65,7 @@ def _require_admin(state: RouterState, request: Request) -> None:
             "admin endpoints are closed: configure admin_key (or admin_open: true on a trusted "
             "network)"
         )
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(
-        token.strip().encode(), key.encode()
-    ):
-        raise Unauthorized("this endpoint needs the admin key: Authorization: Bearer <key>")
+    require_bearer(request.headers.get("authorization"), [key], "this endpoint (the admin key)")
 
 
 # ------------------------------------------------------------------------------ /route
@@ -89,6 +84,8 @@ async def release_route(request: Request) -> Response:
 
 async def models(request: Request) -> Response:
     state = _state(request)
+    if state.settings.api_keys:
+        require_bearer(request.headers.get("authorization"), state.settings.api_keys, "/v1/models")
     if any(not st.models() for st in state.registry.states()):
         await state.registry.check_all(state.upstream)
     names = sorted(state.registry.known_models())

@@ -6,7 +6,8 @@ Handlers raise these; the app turns every one into the documented status code. L
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import secrets
+from collections.abc import Mapping, Sequence
 
 import msgspec
 from starlette.responses import Response
@@ -31,6 +32,7 @@ __all__ = [
     "config_check",
     "error_json",
     "error_response",
+    "require_bearer",
 ]
 
 
@@ -39,6 +41,16 @@ def config_check(cond: bool, key: str, msg: str) -> None:
     # of the struct; naming the field here completes it ("... - at `$.scoring`").
     if not cond:
         raise ValueError(f"`{key}` {msg}")
+
+
+def require_bearer(authorization: str | None, keys: Sequence[str], what: str) -> None:
+    """Raise :class:`Unauthorized` unless ``authorization`` is ``Bearer <one of keys>``
+    (compared in constant time)."""
+    scheme, _, token = (authorization or "").partition(" ")
+    given = token.strip().encode()
+    ok = scheme.lower() == "bearer" and any(secrets.compare_digest(given, k.encode()) for k in keys)
+    if not ok:
+        raise Unauthorized(f"{what} needs Authorization: Bearer <key>")
 
 
 class RouterError(Exception):

@@ -23,7 +23,14 @@ from router.api import (
     encode,
     read_body,
 )
-from router.errors import BadRequest, MethodNotAllowed, NoHealthyWorker, RouterError, error_json
+from router.errors import (
+    BadRequest,
+    MethodNotAllowed,
+    NoHealthyWorker,
+    RouterError,
+    error_json,
+    require_bearer,
+)
 from router.scoring import tier_breakdown
 from router.service import RouterState
 
@@ -130,6 +137,9 @@ class RouteEndpoint:
             if scope["method"] != "POST":
                 headers.append((b"allow", b"POST"))
                 raise MethodNotAllowed("/route takes POST")
+            if s.api_keys:
+                auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+                require_bearer(auth.decode("latin-1"), s.api_keys, "/route")
             body = await read_body(
                 Request(scope, receive), s.proxy.max_body_bytes, s.server.body_timeout_s
             )

@@ -45,6 +45,7 @@ from router.errors import (
     RouterError,
     TooManyRequests,
     error_json,
+    require_bearer,
 )
 from router.errors import UpstreamError as BadGateway
 from router.service import Decision, RouterState
@@ -215,6 +216,9 @@ async def proxy_request(
     """Proxy one request (``endpoint``: ``completions`` or ``chat``) and write the answer to
     ``out``. Raises :class:`RouterError` only before anything was written. Cancelling the task
     (the client went away) closes the upstream exchange and counts ``client_disconnect``."""
+    keys = state.settings.api_keys
+    if keys:  # the router's own client keys: checked here, never forwarded to a worker
+        require_bearer(header("authorization"), keys, "the OpenAI endpoints")
     s = state.settings.proxy
     if state.inflight >= s.max_inflight:
         raise TooManyRequests(f"over max_inflight ({s.max_inflight} requests in flight)")
@@ -225,6 +229,8 @@ async def proxy_request(
     path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
     fwd = [("Content-Type", "application/json")]
     for h in _FORWARD_HEADERS:
+        if keys and h == "authorization":
+            continue
         v = header(h)
         if v is not None:
             fwd.append((h, v))

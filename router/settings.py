@@ -205,6 +205,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     max_index_entries: int = 0
     admin_key: str | None = None
     admin_open: bool = False
+    api_keys: list[str] = msgspec.field(default_factory=list)
     tokenizer: str = "byte"
     log_level: str = "info"
     log_format: str = "text"

@@ -274,3 +274,17 @@ async def test_request_id_echoed_forwarded_and_logged(router, raw, http, caplog)
     proxied = [rec.access for rec in lines if rec.access["request_id"] == "abc-123"]  # type: ignore[attr-defined]
     assert proxied and proxied[0]["status"] == 200 and proxied[0]["worker"] == "w"
     assert proxied[0]["path"] == "/v1/completions" and proxied[0]["bytes"] == 2
+
+
+async def test_client_api_keys_guard_the_api_and_stay_in_the_router(router, raw, http) -> None:
+    w = await raw(fixed(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}"))
+    r = await routed(router, [("w", w)], api_keys=["k1", "k2"])
+    for path, body in (("/route", {"token_ids": [1, 2]}), ("/v1/completions", {"prompt": "x"})):
+        assert "Bearer" in err(await http.post(r.url + path, json=body), 401)
+        bad = {"Authorization": "Bearer nope"}
+        err(await http.post(r.url + path, json=body, headers=bad), 401)
+        ok = await http.post(r.url + path, json=body, headers={"Authorization": "Bearer k2"})
+        assert ok.status_code == 200, ok.text
+    err(await http.get(r.url + "/v1/models"), 401)
+    assert (await http.get(r.url + "/health")).status_code == 200  # liveness stays open
+    assert b"authorization" not in w.heads[-1].lower()  # the router's key never reaches a worker
