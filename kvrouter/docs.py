@@ -141,15 +141,14 @@ def metric_rows() -> list[tuple[str, str, str, str]]:
     """(name as scraped, type, labels, help) of every metric the router exports."""
     from prometheus_client import CollectorRegistry
 
-    from router.metrics import RouterMetrics, StateCollector, _Family, register_process_metrics
+    from router.metric_family import Family
+    from router.metrics import RouterMetrics, StateCollector, register_process_metrics
 
     registry = CollectorRegistry()
     metrics = RouterMetrics(registry)
     registry.register(StateCollector(lambda: [_sample()]))
     register_process_metrics(registry)
-    declared = {
-        f.name: list(f.labelnames) for f in vars(metrics).values() if isinstance(f, _Family)
-    }
+    declared = {f.name: list(f.labelnames) for f in vars(metrics).values() if isinstance(f, Family)}
     rows = []
     for fam in registry.collect():
         labels = {k for s in fam.samples for k in s.labels if k != "le"}

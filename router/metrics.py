@@ -13,7 +13,6 @@ counters, on the event loop (``/metrics`` is an async handler), so nothing is co
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -21,12 +20,12 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
-    HistogramMetricFamily,
     Metric,
 )
 from prometheus_client.registry import Collector
 
 from indexer.index.native import BACKENDS as NATIVE_BACKENDS
+from router.metric_family import Family as _Family
 
 __all__ = ["RouterMetrics", "StateCollector", "WorkerSample", "register_process_metrics"]
 
@@ -206,114 +205,6 @@ class StateCollector(Collector):
         yield idx_orphans
         yield from idx_counters.values()
         yield native
-
-
-class _Value:
-    """One counter or gauge series."""
-
-    __slots__ = ("value",)
-
-    def __init__(self) -> None:
-        self.value = 0.0
-
-    def inc(self, amount: float = 1.0) -> None:
-        self.value += amount
-
-    def dec(self, amount: float = 1.0) -> None:
-        self.value -= amount
-
-    def set(self, value: float) -> None:
-        self.value = float(value)
-
-
-class _Buckets:
-    """One histogram series: per-bucket counts (not cumulative until exposed) and the sum."""
-
-    __slots__ = ("bounds", "counts", "sum")
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)  # the last is +Inf
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1  # bucket ``le``: value <= bound
-        self.sum += value
-
-
-class _Family(Collector):
-    """A metric with label names and one series per label values; unlabeled families are used
-    directly (``observe``, ``inc``, ``set``). Registered on the app's registry."""
-
-    def __init__(
-        self,
-        kind: str,
-        name: str,
-        doc: str,
-        labelnames: Iterable[str] = (),
-        *,
-        registry: CollectorRegistry,
-        buckets: tuple[float, ...] = (),
-    ) -> None:
-        self.kind, self.name, self.doc = kind, name, doc
-        self.labelnames = list(labelnames)
-        self.bounds = tuple(float(b) for b in buckets)
-        self._series: dict[tuple[str, ...], Any] = {}
-        if not self.labelnames:
-            self._one = self.labels()
-        registry.register(self)
-
-    def labels(self, *values: Any) -> Any:
-        key = tuple(map(str, values))
-        s = self._series.get(key)
-        if s is None:
-            if len(key) != len(self.labelnames):
-                raise ValueError(f"{self.name}: expected labels {self.labelnames}, got {key}")
-            s = self._series[key] = _Buckets(self.bounds) if self.kind == "histogram" else _Value()
-        return s
-
-    def remove(self, *values: Any) -> None:
-        self._series.pop(tuple(map(str, values)), None)
-
-    def observe(self, value: float) -> None:
-        self._one.observe(value)
-
-    def inc(self, amount: float = 1.0) -> None:
-        self._one.inc(amount)
-
-    def set(self, value: float) -> None:
-        self._one.set(value)
-
-    def describe(self) -> Iterator[Metric]:
-        yield from self._families(with_samples=False)
-
-    def collect(self) -> Iterator[Metric]:
-        yield from self._families(with_samples=True)
-
-    def _families(self, *, with_samples: bool) -> Iterator[Metric]:
-        ln = self.labelnames
-        m: Any
-        if self.kind == "histogram":
-            m = HistogramMetricFamily(self.name, self.doc, labels=ln)
-        elif self.kind == "counter":
-            m = CounterMetricFamily(self.name, self.doc, labels=ln)
-        else:
-            m = GaugeMetricFamily(self.name, self.doc, labels=ln)
-        for key, s in list(self._series.items()) if with_samples else ():
-            if self.kind != "histogram":
-                m.add_metric(list(key), s.value)
-                continue
-            acc, cum = 0, []
-            for bound, n in zip((*self.bounds, float("inf")), s.counts):
-                acc += n
-                cum.append((_bound_text(bound), float(acc)))
-            m.add_metric(list(key), cum, s.sum)
-        yield m
-
-
-def _bound_text(b: float) -> str:
-    """As prometheus_client writes ``le``: ``+Inf``, else the float's repr (``0.005``, ``1.0``)."""
-    return "+Inf" if b == float("inf") else repr(float(b))
 
 
 class RouterMetrics:
