@@ -15,7 +15,6 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
 from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
@@ -233,21 +232,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        p = settings.proxy
-        client = httpx.AsyncClient(
-            timeout=httpx.Timeout(
-                connect=p.connect_timeout_s,
-                read=p.read_timeout_s,
-                write=p.write_timeout_s,
-                pool=p.pool_timeout_s,
-            ),
-            limits=httpx.Limits(
-                max_connections=p.max_connections, max_keepalive_connections=p.max_connections
-            ),
-            follow_redirects=False,
-            trust_env=False,  # worker URLs are local: never through an environment proxy
-        )
-        state = RouterState(settings, client)
+        state = RouterState(settings)
         tasks: list[asyncio.Task[None]] = []
         try:
             await state.subscriber.start()
@@ -274,7 +259,6 @@ def create_app(settings: Settings) -> FastAPI:
                 state.write_snapshot()
             await state.subscriber.aclose()
             await state.upstream.aclose()
-            await client.aclose()
 
     app = FastAPI(
         title="kvrouter",

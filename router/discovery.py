@@ -34,6 +34,7 @@ import msgspec
 
 from router.errors import ConfigError, RouterError
 from router.settings import DiscoverySettings, WorkerConfig
+from router.upstream import BodyTooLarge, UpstreamError, UpstreamPool
 
 __all__ = ["KubernetesDiscovery", "WorkerSink", "pod_ready", "worker_for_pod"]
 
@@ -223,7 +224,8 @@ class KubernetesDiscovery:
         self.sink = sink
         s = self.settings
         client = self._client()
-        self._http = self._httpx.AsyncClient(timeout=s.timeout_s, trust_env=False)
+        # the router's client to workers (one exchange per connection, bounded reads)
+        self._http = UpstreamPool(connect_s=s.timeout_s, read_s=s.timeout_s, write_s=s.timeout_s)
         retry = asyncio.create_task(self._retry_pending(), name="k8s-discovery-retry")
         try:
             while True:
@@ -369,17 +371,17 @@ class KubernetesDiscovery:
         """vLLM's ``GET /kv_event_sources`` on the pod (a URL built from the API server's pod IP,
         never from a client), read to at most 64 KiB."""
         url = base_url + "/kv_event_sources"
+        timeout = self.settings.timeout_s
         try:
-            async with http.stream("GET", url) as resp:
-                if resp.status_code != 200:
-                    raise PodNotUsable(f"GET {url} answered {resp.status_code}")
-                body = bytearray()
-                async for chunk in resp.aiter_bytes():
-                    body += chunk
-                    if len(body) > _MAX_SOURCES_BYTES:
-                        raise PodNotUsable(f"GET {url}: answer larger than 64 KiB")
-        except self._httpx.HTTPError as e:
-            raise PodNotUsable(f"GET {url} failed: {e!r}") from e
+            status, body = await http.get(
+                base_url, "/kv_event_sources", timeout, _MAX_SOURCES_BYTES
+            )
+        except BodyTooLarge as e:
+            raise PodNotUsable(f"GET {url}: answer larger than 64 KiB") from e
+        except UpstreamError as e:
+            raise PodNotUsable(f"GET {url} failed: {type(e).__name__}: {e}") from e
+        if status != 200:
+            raise PodNotUsable(f"GET {url} answered {status}")
         try:
             return _decode_sources(bytes(body))
         except (msgspec.DecodeError, msgspec.ValidationError) as e:

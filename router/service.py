@@ -19,7 +19,6 @@ import random
 import time
 from collections.abc import Mapping, Sequence
 
-import httpx
 from prometheus_client import CollectorRegistry
 
 from indexer.hashing import request_seed
@@ -34,7 +33,7 @@ from router.registry import Registry, WorkerState
 from router.scoring import Candidate, ScoreWeights, rank
 from router.settings import Settings, WorkerConfig
 from router.tokenize import Tokenizer, byte_tokenizer_warning, make_tokenizer
-from router.upstream import UpstreamPool
+from router.upstream import UpstreamError, UpstreamPool
 
 __all__ = ["Decision", "RouterState"]
 
@@ -90,9 +89,8 @@ def load_index(settings: Settings) -> tuple[PrefixIndex, dict[WorkerKey, int]]:
 
 
 class RouterState:
-    def __init__(self, settings: Settings, client: httpx.AsyncClient) -> None:
+    def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.client = client  # cold paths: health checks, scraping, /tokenize
         p = settings.proxy
         self.draining = False  # SIGTERM: /ready answers 503 while in-flight requests finish
         self.upstream = UpstreamPool(  # the proxy's hot path
@@ -132,7 +130,7 @@ class RouterState:
         self.prom.register(StateCollector(self._samples))
         register_process_metrics(self.prom)
         self.tokenizer: Tokenizer = make_tokenizer(
-            settings.tokenizer, client=client, pick=self.pick_tokenize_worker
+            settings.tokenizer, client=self.upstream, pick=self.pick_tokenize_worker
         )
         self.inflight = 0
         self.started_at = time.time()
@@ -180,10 +178,12 @@ class RouterState:
             return
         for st in list(self.registry.workers.values()):
             try:
-                resp = await self.client.get(st.url.rstrip("/") + "/v1/models")
-            except httpx.HTTPError:
+                _, content = await self.upstream.get(
+                    st.url, "/v1/models", self.settings.health.timeout_s
+                )
+            except UpstreamError:
                 continue
-            msg = byte_tokenizer_warning("byte", st.id, resp.content)
+            msg = byte_tokenizer_warning("byte", st.id, content)
             if msg is not None:
                 log.warning("%s", msg)
 

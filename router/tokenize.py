@@ -20,10 +20,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-import httpx
 import msgspec
 
 from router.errors import ConfigError, NoHealthyWorker, TokenizeError
+from router.upstream import UpstreamError, UpstreamPool
 
 __all__ = [
     "BYTE_CHAT_TEMPLATE",
@@ -206,7 +206,7 @@ class WorkerTokenizer:
 
     name = "worker"
 
-    def __init__(self, client: httpx.AsyncClient, pick: Picker) -> None:
+    def __init__(self, client: UpstreamPool, pick: Picker) -> None:
         self._client = client
         self._pick = pick
 
@@ -214,14 +214,22 @@ class WorkerTokenizer:
         url, name = self._pick(model)
         if name:
             body["model"] = name
+        payload = msgspec.json.encode(body)
         try:
-            r = await self._client.post(url + "/tokenize", json=body)
-        except httpx.HTTPError as e:
-            raise NoHealthyWorker(f"worker tokenizer unreachable: {e!r}") from e
-        if r.status_code != 200:
-            raise TokenizeError(f"worker /tokenize answered {r.status_code}: {r.text[:200]}")
+            r = await self._client.request(
+                url, "POST", "/tokenize", [("Content-Type", "application/json")], payload
+            )
+            try:
+                status, content = r.status_code, await r.read()
+            finally:
+                await r.aclose()
+        except UpstreamError as e:
+            raise NoHealthyWorker(f"worker tokenizer unreachable: {e}") from e
+        if status != 200:
+            text = content[:200].decode("utf-8", "replace")
+            raise TokenizeError(f"worker /tokenize answered {status}: {text}")
         try:
-            return _decode_reply(r.content).tokens
+            return _decode_reply(content).tokens
         except msgspec.DecodeError as e:
             raise TokenizeError(f"worker /tokenize answered an unexpected body: {e}") from e
 
@@ -272,7 +280,7 @@ def byte_tokenizer_warning(spec: str, worker_id: str, models_body: bytes) -> str
 def make_tokenizer(
     spec: str,
     *,
-    client: httpx.AsyncClient | None = None,
+    client: UpstreamPool | None = None,
     pick: Picker | None = None,
 ) -> Tokenizer:
     if spec == "byte":
