@@ -50,4 +50,5 @@ def test_cache_aware_keeps_a_conversation_on_its_worker(tmp_path: Path) -> None:
         assert two.cached_tokens >= one.prompt_tokens // BS * BS > 0
     # (all eight may land on one worker: at idle, 0.3.2 sends unrelated prompts to the same one)
     assert sum(e.requests for e in run.engines) == 8
-    assert run.router_cpu_s is not None and run.router_cpu_s > 0
+    # read from /proc in clock ticks (10 ms): a Rust router may spend less than one on 8 requests
+    assert run.router_cpu_s is not None and run.router_cpu_s >= 0
