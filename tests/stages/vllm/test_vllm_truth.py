@@ -215,3 +215,48 @@ def test_restarted_vllm_is_not_routed_on_its_old_cache(fleet) -> None:
     _poll(lambda: matched_tokens(url, prompt) == 0, 60, "the old process's blocks dropped")
     again = complete(url, prompt)
     assert cached(again) == 0
+
+
+def _router(model: Path, vllm: Vllm, tmp: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), KVROUTER_ADMIN_KEY=KEY)
+    spec = f"id=v0,url={vllm.url},events=tcp://127.0.0.1:{vllm.events},"
+    spec += f"replay=tcp://127.0.0.1:{vllm.replay}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "router", "serve", "--port", "0", "--block-size", str(BS),
+         "--tokenizer", f"hf:{model}", "--worker", spec, *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, start_new_session=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    line = proc.stdout.readline().decode()
+    proc.stdout.close()
+    assert "listening on" in line, line
+    url = line.rsplit(" ", 1)[1].strip()
+    _poll(lambda: httpx.get(url + "/ready").status_code == 200, 60, "router ready")
+    return proc, url
+
+
+def test_snapshot_resume_meets_a_restarted_vllm(fleet, tmp_path) -> None:
+    """A router restored from its snapshot while vLLM restarted in between: the snapshot's
+    blocks belong to the old process and must not be credited."""
+    vllm, _ = fleet
+    cfg = tmp_path / "r.yaml"
+    cfg.write_text(f"snapshot:\n  path: {tmp_path / 'index.snap'}\n  interval_s: 3600\n")
+    prompt = words(260, seed=8)
+    first, url = _router(vllm.model, vllm, tmp_path, "--config", str(cfg))
+    try:
+        complete(url, prompt)
+        _poll(lambda: matched_tokens(url, prompt) > 0, 30, "blocks indexed")
+    finally:
+        os.killpg(first.pid, signal.SIGTERM)  # writes the snapshot on the way out
+        first.wait(60)
+    assert (tmp_path / "index.snap").exists()
+    vllm.stop()
+    vllm.start()
+    second, url = _router(vllm.model, vllm, tmp_path, "--config", str(cfg))
+    try:
+        _poll(lambda: matched_tokens(url, prompt) == 0, 60, "the snapshot's stale blocks dropped")
+        w = httpx.get(url + "/workers", headers=AUTH).json()["workers"][0]
+        assert w["ranks"][0]["subscriber"]["restarts"] >= 1
+    finally:
+        os.killpg(second.pid, signal.SIGTERM)
+        second.wait(60)
