@@ -56,7 +56,7 @@ class PodNotUsable(Exception):
 
 
 class _Source(msgspec.Struct):
-    """One entry of vLLM's ``GET /kv_event_sources`` (a bare JSON array of these)."""
+    """One entry of a ``GET /kv_event_sources`` answered as a JSON array of these."""
 
     endpoint: str
     data_parallel_rank: int = 0
@@ -64,7 +64,29 @@ class _Source(msgspec.Struct):
     topic: str = ""
 
 
-_decode_sources = msgspec.json.Decoder(list[_Source]).decode
+class _RankConfig(msgspec.Struct):
+    """One data-parallel rank's KV events config, as vLLM 0.32 answers ``/kv_event_sources``:
+    ``{"0": {"endpoint": "tcp://*:5557", "replay_endpoint": ..., "topic": ...}, ...}``."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+
+
+_decode_answer = msgspec.json.Decoder(list[_Source] | dict[str, _RankConfig]).decode
+
+
+def _decode_sources(body: bytes) -> list[_Source]:
+    """Both shapes: a list of sources, or vLLM's map from rank to its events config."""
+    answer = _decode_answer(body)
+    if isinstance(answer, list):
+        return answer
+    try:
+        return [
+            _Source(c.endpoint, int(rank), c.replay_endpoint, c.topic) for rank, c in answer.items()
+        ]
+    except ValueError as e:
+        raise msgspec.ValidationError(f"rank {e} is not an integer") from e
 
 
 def pod_ready(pod: Any) -> bool:
@@ -134,6 +156,16 @@ def worker_for_pod(
         )
     except ValueError as e:  # WorkerConfig's own checks: "`dp_ranks` must be between 1 and 1024"
         raise PodNotUsable(str(e).replace("`", "")) from e
+
+
+def sources_to_endpoints(body: bytes, host: str) -> tuple[str, str | None, int]:
+    """(events, replay, dp ranks) from a worker's ``/kv_event_sources`` answer, wildcard bind
+    addresses replaced by ``host``; raises :class:`PodNotUsable` naming what is wrong."""
+    try:
+        sources = _decode_sources(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise PodNotUsable(f"not a list of KV event sources: {e}") from e
+    return _from_sources(sources, _host(host))
 
 
 def _from_sources(sources: list[_Source], ip: str) -> tuple[str, str | None, int]:

@@ -18,7 +18,9 @@ import os
 import random
 import time
 from collections.abc import Mapping, Sequence
+from urllib.parse import urlsplit
 
+import msgspec
 from prometheus_client import CollectorRegistry
 
 from indexer.hashing import request_seed
@@ -140,8 +142,11 @@ class RouterState:
     async def add_worker(self, cfg: WorkerConfig, *, dynamic: bool = False) -> WorkerState:
         if cfg.id in self.registry:
             raise Conflict(f"worker {cfg.id!r} is already registered")
+        if cfg.events_endpoint is None:
+            cfg = await self._with_event_sources(cfg)
         # the index learns the worker from the subscriber task, its only writer
         st = self.registry.add(cfg, dynamic=dynamic)
+        assert cfg.events_endpoint is not None  # (read from the worker above when not given)
         ep = WorkerEndpoint(
             worker_id=cfg.id,
             events=cfg.events_endpoint,
@@ -155,6 +160,30 @@ class RouterState:
             self.registry.remove(cfg.id)
             raise BadRequest(f"cannot subscribe to worker {cfg.id!r}: {e}") from e
         return st
+
+    async def _with_event_sources(self, cfg: WorkerConfig) -> WorkerConfig:
+        """``cfg`` with the event endpoints the worker publishes on, from its
+        ``GET /kv_event_sources`` (vLLM): a configured URL is the only one called."""
+        from router.discovery import PodNotUsable, sources_to_endpoints
+
+        what = f"worker {cfg.id!r}: GET {cfg.base_url}/kv_event_sources"
+        try:
+            status, body = await self.upstream.get(
+                cfg.url, "/kv_event_sources", self.settings.health.timeout_s, 64 * 1024
+            )
+        except UpstreamError as e:
+            raise BadRequest(f"{what} failed ({type(e).__name__}: {e}); give events=") from e
+        if status != 200:
+            raise BadRequest(f"{what} answered {status}; give events= for this worker")
+        host = urlsplit(cfg.url).hostname or ""
+        try:
+            events, replay, dp_ranks = sources_to_endpoints(body, host)
+        except PodNotUsable as e:
+            raise BadRequest(f"{what}: {e}") from e
+        log.info("worker %s publishes KV events on %s (replay %s)", cfg.id, events, replay)
+        return msgspec.structs.replace(
+            cfg, events_endpoint=events, replay_endpoint=replay, dp_ranks=dp_ranks
+        )
 
     async def remove_worker(self, worker_id: str) -> None:
         st = self.registry.workers.get(worker_id)

@@ -49,7 +49,7 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
     id: str
     url: str
-    events_endpoint: str
+    events_endpoint: str | None = None  # None: read from the worker's GET /kv_event_sources
     replay_endpoint: str | None = None
     dp_ranks: int = 1
     pool: str | None = None
@@ -294,7 +294,7 @@ def parse_worker_spec(spec: str) -> dict[str, Any]:
                 raise ConfigError(f"invalid --worker {spec!r}: dp must be an integer") from e
         else:
             out[names[key]] = value.strip()
-    for required in ("id", "url", "events"):
+    for required in ("id", "url"):
         if names[required] not in out:
             raise ConfigError(f"invalid --worker {spec!r}: missing {required}=")
     return out

@@ -288,3 +288,38 @@ async def test_client_api_keys_guard_the_api_and_stay_in_the_router(router, raw,
     err(await http.get(r.url + "/v1/models"), 401)
     assert (await http.get(r.url + "/health")).status_code == 200  # liveness stays open
     assert b"authorization" not in w.heads[-1].lower()  # the router's key never reaches a worker
+
+
+async def test_static_worker_without_events_reads_kv_event_sources(router, workers, http) -> None:
+    """``--worker id=v0,url=...`` is enough for a vLLM: the event endpoints come from its
+    ``GET /kv_event_sources`` (a wildcard bind address becomes the worker URL's host). Served
+    here by a real HTTP server in front of a real publisher."""
+    from router_fakeworker import ServerHandle
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+
+    w = await workers("v0")
+    port = w.events_endpoint.rsplit(":", 1)[1]
+    replay_port = w.replay_endpoint.rsplit(":", 1)[1] if w.replay_endpoint else None
+
+    async def sources(request: Request) -> Response:
+        # vLLM 0.32's shape (seen from a real one): data-parallel rank -> its events config
+        src = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}
+        if replay_port:
+            src["replay_endpoint"] = f"tcp://*:{replay_port}"
+        return JSONResponse({"0": src})
+
+    front = await ServerHandle(Starlette(routes=[Route("/kv_event_sources", sources)])).start()
+    try:
+        r = await router(workers=[{"id": "v0", "url": front.url}], ready=False)
+        cfg = r.state.registry.workers["v0"].config
+        assert cfg.events_endpoint == f"tcp://127.0.0.1:{port}"
+        tokens = list(range(64))
+        w.store(tokens)
+        await wait_for(
+            lambda: r.matched(tokens, "v0") == 4, 20, "events from the discovered socket"
+        )
+    finally:
+        await front.stop()

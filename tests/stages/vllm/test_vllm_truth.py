@@ -100,31 +100,16 @@ class Vllm:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Vllm, str]]:
     tmp = tmp_path_factory.mktemp("vllm")
-    model = make_tiny_llama(tmp / "tiny-llama")
-    vllm = Vllm(model, tmp / "vllm.log")
+    vllm = Vllm(make_tiny_llama(tmp / "tiny-llama"), tmp / "vllm.log")
     vllm.start()
-    env = dict(os.environ, PYTHONPATH=str(ROOT), KVROUTER_ADMIN_KEY=KEY)
-    rlog = open(tmp / "router.log", "wb")  # noqa: SIM115
-    spec = f"id=v0,url={vllm.url},events=tcp://127.0.0.1:{vllm.events},"
-    spec += f"replay=tcp://127.0.0.1:{vllm.replay}"
-    router = subprocess.Popen(
-        [sys.executable, "-m", "router", "serve", "--port", "0", "--block-size", str(BS),
-         "--tokenizer", f"hf:{model}", "--worker", spec],
-        stdout=subprocess.PIPE, stderr=rlog, env=env, start_new_session=True,
-    )  # fmt: skip
     try:
-        assert router.stdout is not None
-        line = router.stdout.readline().decode()
-        assert "listening on" in line, (tmp / "router.log").read_text()
-        url = line.rsplit(" ", 1)[1].strip()
-        _poll(lambda: httpx.get(url + "/ready").status_code == 200, 60, "router ready")
-        yield vllm, url
+        router, url = _router(vllm)
+        try:
+            yield vllm, url
+        finally:
+            os.killpg(router.pid, signal.SIGTERM)
+            router.wait(30)
     finally:
-        os.killpg(router.pid, signal.SIGTERM)
-        router.wait(30)
-        if router.stdout is not None:
-            router.stdout.close()
-        rlog.close()
         vllm.stop(final=True)
 
 
@@ -187,6 +172,10 @@ def test_cache_salt_separates_tenants(fleet) -> None:
 def test_worker_view_is_fresh_after_the_join_replay(fleet) -> None:
     _, url = fleet
     w = httpx.get(url + "/workers", headers=AUTH).json()["workers"][0]
+    vllm, _ = fleet
+    # only the URL was given: the endpoints were read from vLLM's GET /kv_event_sources
+    assert w["events_endpoint"] == f"tcp://127.0.0.1:{vllm.events}"
+    assert w["replay_endpoint"] == f"tcp://127.0.0.1:{vllm.replay}"
     sub = w["ranks"][0]["subscriber"]
     assert sub["last_message_at"] is not None and sub["lag_s"] is not None
     assert w["seconds_since_last_event"] is not None
@@ -217,19 +206,20 @@ def test_restarted_vllm_is_not_routed_on_its_old_cache(fleet) -> None:
     assert cached(again) == 0
 
 
-def _router(model: Path, vllm: Vllm, tmp: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
+def _router(vllm: Vllm, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
+    """``python -m router serve`` in front of ``vllm``, given only its URL: the event endpoints
+    come from vLLM's ``GET /kv_event_sources``."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), KVROUTER_ADMIN_KEY=KEY)
-    spec = f"id=v0,url={vllm.url},events=tcp://127.0.0.1:{vllm.events},"
-    spec += f"replay=tcp://127.0.0.1:{vllm.replay}"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "router", "serve", "--port", "0", "--block-size", str(BS),
-         "--tokenizer", f"hf:{model}", "--worker", spec, *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, start_new_session=True,
-    )  # fmt: skip
+    with open(vllm.log.with_name("router.log"), "ab") as err:  # the child keeps its own copy
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "router", "serve", "--port", "0", "--block-size", str(BS),
+             "--tokenizer", f"hf:{vllm.model}", "--worker", f"id=v0,url={vllm.url}", *extra],
+            stdout=subprocess.PIPE, stderr=err, env=env, start_new_session=True,
+        )  # fmt: skip
     assert proc.stdout is not None
     line = proc.stdout.readline().decode()
     proc.stdout.close()
-    assert "listening on" in line, line
+    assert "listening on" in line, vllm.log.with_name("router.log").read_text()[-3000:]
     url = line.rsplit(" ", 1)[1].strip()
     _poll(lambda: httpx.get(url + "/ready").status_code == 200, 60, "router ready")
     return proc, url
@@ -242,7 +232,7 @@ def test_snapshot_resume_meets_a_restarted_vllm(fleet, tmp_path) -> None:
     cfg = tmp_path / "r.yaml"
     cfg.write_text(f"snapshot:\n  path: {tmp_path / 'index.snap'}\n  interval_s: 3600\n")
     prompt = words(260, seed=8)
-    first, url = _router(vllm.model, vllm, tmp_path, "--config", str(cfg))
+    first, url = _router(vllm, "--config", str(cfg))
     try:
         complete(url, prompt)
         _poll(lambda: matched_tokens(url, prompt) > 0, 30, "blocks indexed")
@@ -252,7 +242,7 @@ def test_snapshot_resume_meets_a_restarted_vllm(fleet, tmp_path) -> None:
     assert (tmp_path / "index.snap").exists()
     vllm.stop()
     vllm.start()
-    second, url = _router(vllm.model, vllm, tmp_path, "--config", str(cfg))
+    second, url = _router(vllm, "--config", str(cfg))
     try:
         _poll(lambda: matched_tokens(url, prompt) == 0, 60, "the snapshot's stale blocks dropped")
         w = httpx.get(url + "/workers", headers=AUTH).json()["workers"][0]

@@ -109,8 +109,10 @@ def test_bad_files_and_specs(tmp_path):
         load_settings(bad, environ={})
     with pytest.raises(ConfigError, match="unknown item"):
         parse_worker_spec("id=a,url=http://x,events=tcp://h:1,colour=red")
-    with pytest.raises(ConfigError, match="missing events="):
-        parse_worker_spec("id=a,url=http://x")
+    with pytest.raises(ConfigError, match="missing url="):
+        parse_worker_spec("id=a,events=tcp://h:1")
+    # no events=: the router reads them from the worker's GET /kv_event_sources
+    assert parse_worker_spec("id=a,url=http://x") == {"id": "a", "url": "http://x"}
     with pytest.raises(ConfigError, match="dp must be an integer"):
         parse_worker_spec("id=a,url=http://x,events=tcp://h:1,dp=two")
     with pytest.raises(ConfigError, match="KVROUTER_PORT"):
