@@ -28,6 +28,9 @@ from collections.abc import Mapping, Sequence
 
 import msgspec
 
+from indexer.events import DEFAULT_TIER_WEIGHTS
+from indexer.index import WorkerKey
+
 __all__ = [
     "Candidate",
     "ScoreWeights",
@@ -45,7 +48,6 @@ try:  # the same ranking in C (router/_score.c); optional like the index's accel
 except ImportError:  # pragma: no cover - built without a compiler
     _c_rank = None
 
-WorkerKey = tuple[str, int]
 _M64 = (1 << 64) - 1
 
 
@@ -60,7 +62,7 @@ class ScrapedLoad(msgspec.Struct, frozen=True):
 class ScoreWeights(msgspec.Struct, frozen=True):
     overlap_weight: float = 1.0
     tier_weights: Mapping[str, float] = msgspec.field(
-        default_factory=lambda: {"GPU": 1.0, "CPU_PINNED": 0.8, "DISK": 0.5, "EXTERNAL": 0.3}
+        default_factory=lambda: dict(DEFAULT_TIER_WEIGHTS)
     )
     running_weight: float = 0.0
     waiting_weight: float = 0.0
