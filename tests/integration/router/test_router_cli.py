@@ -58,9 +58,14 @@ async def test_invalid_config_fails_at_start_naming_the_key(tmp_path):
     _, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 2
     assert b"scoring.overlap_weight" in err and b"must be >= 0" in err
-    proc = await _spawn("--port", "0", "--worker", "id=a,url=http://x")
+    proc = await _spawn("--port", "0", "--worker", "id=a,events=tcp://127.0.0.1:1")
     _, err = await asyncio.wait_for(proc.communicate(), 60)
-    assert proc.returncode == 2 and b"events=" in err
+    assert proc.returncode == 2 and b"url=" in err
+    # no events=: read from the worker's /kv_event_sources; nobody answers, so the start fails
+    # naming the worker and what to give instead
+    proc = await _spawn("--port", "0", "--worker", "id=a,url=http://127.0.0.1:1")
+    _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode != 0 and b"'a'" in err and b"give events=" in err
 
 
 async def test_sigterm_drains_in_flight_requests_with_ready_503(tmp_path, workers):
