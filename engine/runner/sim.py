@@ -5,7 +5,11 @@ model in bf16 on one mid-range GPU, override with runner options of the same nam
 
 * a step with prefill work: ``prefill_a·Σ n² + prefill_b·Σ n + prefill_c`` over the tokens ``n``
   each prefilling sequence computes (cached tokens cost nothing);
-* a step with decoding sequences adds ``decode_d0 + decode_d1·batch``;
+* a step with decoding sequences adds ``decode_d0 + decode_d1·batch + decode_d2·context``, where
+  ``context`` is the number of tokens those sequences attend to: on a GPU a decode step reads the
+  KV of every cached token of its batch, so long requests piled on one worker slow every step.
+  ``decode_d2`` = ``kv_bytes_per_token`` / HBM bandwidth: 12,288 B / 600 GB/s ≈ 2e-5 ms a token
+  (a 100k-token batch adds 2 ms to an 8 ms step);
 * a host↔GPU copy of ``k`` blocks: ``k·block_bytes / cpu_gbps + cpu_latency_ms``; a DISK/EXTERNAL
   read: ``bytes / {disk,external}_gbps + {disk,external}_latency_ms`` (``io_delay``), with
   ``block_bytes = kv_bytes_per_token · block_size``.
@@ -16,6 +20,11 @@ every block a sequence attends to and raises :class:`RunnerError` on a mismatch,
 that loses, misplaces or corrupts a block (or loads a wrong one back) fails loudly in sim tests.
 Sampled tokens are a deterministic function of that digest (greedy) or of ``(seed, position,
 digest)``, drawn from ``[token_min, token_max]`` (printable ASCII by default).
+
+``timing_only=True`` (virtual-time replay, ``kvrouter.replay.virtual``): no sleeps, no payloads,
+no checks — only the modeled step time, which the caller advances its own clock by — and sampled
+tokens a cheap function of the sequence and position. Only for engines without lower tiers
+(their copies are timed on the wall clock).
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ SIM_DEFAULTS: dict[str, float] = {
     "prefill_c": 4.0,
     "decode_d0": 8.0,
     "decode_d1": 0.15,
+    "decode_d2": 2e-5,
     "kv_bytes_per_token": 12288.0,
     "cpu_gbps": 25.0,
     "cpu_latency_ms": 0.01,
@@ -88,7 +98,8 @@ class SimTransfer(Transfer):
 class SimRunner(ModelRunner):
     name = "sim"
 
-    def __init__(self, config: RunnerConfig) -> None:
+    def __init__(self, config: RunnerConfig, *, timing_only: bool = False) -> None:
+        self.timing_only = timing_only
         if config.speedup <= 0:
             raise RunnerError("--speedup must be positive")
         params = dict(SIM_DEFAULTS)
@@ -136,8 +147,11 @@ class SimRunner(ModelRunner):
         p = self.p
         return p["prefill_a"] * sum(n * n for n in ns) + p["prefill_b"] * sum(ns) + p["prefill_c"]
 
-    def decode_ms(self, batch: int) -> float:
-        return self.p["decode_d0"] + self.p["decode_d1"] * batch
+    def decode_ms(self, batch: int, context: int = 0) -> float:
+        """Modeled decode time of a step with ``batch`` decoding sequences attending to
+        ``context`` tokens in all."""
+        p = self.p
+        return p["decode_d0"] + p["decode_d1"] * batch + p["decode_d2"] * context
 
     def copy_s(self, num_blocks: int, tier: str = "CPU_PINNED") -> float:
         """Modeled seconds to move ``num_blocks`` between GPU and ``tier``."""
@@ -165,9 +179,11 @@ class SimRunner(ModelRunner):
         return out
 
     def execute(self, seqs: Sequence[ScheduledSeq]) -> StepOutput:
+        if self.timing_only:
+            return self._execute_timed(seqs)
         tokens: dict[int, int] = {}
         prefill: list[int] = []
-        decode = 0
+        decode = context = 0
         for s in seqs:
             end = s.num_computed_tokens + s.num_new_tokens
             if s.num_new_tokens <= 0 or end > len(s.token_ids):
@@ -190,15 +206,35 @@ class SimRunner(ModelRunner):
                 prefill.append(s.num_new_tokens)
             else:
                 decode += 1
+                context += end
             if s.sample:
                 tokens[s.seq_id] = self._sample(s, digests[-1])
-        ms = (self.prefill_ms(prefill) if prefill else 0.0) + (
-            self.decode_ms(decode) if decode else 0.0
-        )
-        elapsed = ms / 1e3
-        self.busy_s += elapsed
+        elapsed = self._elapsed(prefill, decode, context)
         time.sleep(elapsed / self.speedup)
         return StepOutput(tokens=tokens, elapsed_s=elapsed)
+
+    def _elapsed(self, prefill: list[int], decode: int, context: int) -> float:
+        ms = (self.prefill_ms(prefill) if prefill else 0.0) + (
+            self.decode_ms(decode, context) if decode else 0.0
+        )
+        self.busy_s += ms / 1e3
+        return ms / 1e3
+
+    def _execute_timed(self, seqs: Sequence[ScheduledSeq]) -> StepOutput:
+        """``timing_only``: the step's modeled time and cheap tokens, nothing else."""
+        tokens: dict[int, int] = {}
+        prefill: list[int] = []
+        decode = context = 0
+        for s in seqs:
+            if s.num_output_tokens == 0 or s.num_new_tokens > 1:
+                prefill.append(s.num_new_tokens)
+            else:
+                decode += 1
+                context += s.num_computed_tokens + 1
+            if s.sample:
+                x = (s.seq_id * 0x9E3779B1 + s.num_output_tokens * 0x85EBCA77) >> 7
+                tokens[s.seq_id] = self._lo + x % self._span
+        return StepOutput(tokens=tokens, elapsed_s=self._elapsed(prefill, decode, context))
 
     def _sample(self, s: ScheduledSeq, digest: bytes) -> int:
         sp = s.sampling

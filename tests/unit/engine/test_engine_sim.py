@@ -17,10 +17,18 @@ def _sim(**options: str) -> SimRunner:
 
 
 def test_timing_model() -> None:
-    sim = _sim(prefill_a="0.001", prefill_b="0.5", prefill_c="3", decode_d0="7", decode_d1="0.5")
+    sim = _sim(
+        prefill_a="0.001",
+        prefill_b="0.5",
+        prefill_c="3",
+        decode_d0="7",
+        decode_d1="0.5",
+        decode_d2="0.01",
+    )
     assert sim.prefill_ms(100) == pytest.approx(0.001 * 100**2 + 0.5 * 100 + 3)
     assert sim.prefill_ms([10, 20]) == pytest.approx(0.001 * 500 + 0.5 * 30 + 3)
     assert sim.decode_ms(4) == pytest.approx(9.0)
+    assert sim.decode_ms(4, context=1000) == pytest.approx(9.0 + 10.0)  # the KV read per token
     bytes_per_block = 12288 * 16
     assert sim.copy_s(2) == pytest.approx(2 * bytes_per_block / 25e9 + 0.01e-3)
     assert sim.io_delay("DISK", 3 * sim.kv_block_bytes) == pytest.approx(sim.copy_s(3, "DISK"))
@@ -30,8 +38,22 @@ def test_timing_model() -> None:
     b = ScheduledSeq(2, list(range(5)), 4, 1, [2], sample=True, num_output_tokens=1)
     sim.execute([ScheduledSeq(2, list(range(4)), 0, 4, [2], sample=False)])
     out = sim.execute([a, b])
-    assert out.elapsed_s == pytest.approx((sim.prefill_ms(20) + sim.decode_ms(1)) / 1e3)
+    # b decodes its 5th position attending to 5 tokens
+    assert out.elapsed_s == pytest.approx((sim.prefill_ms(20) + sim.decode_ms(1, 5)) / 1e3)
     assert set(out.tokens) == {1, 2} and all(32 <= t <= 126 for t in out.tokens.values())
+
+
+def test_timing_only_models_the_same_time_without_payloads() -> None:
+    cfg = RunnerConfig(block_size=16, num_gpu_blocks=8, num_host_slots=0)
+    full, timed = SimRunner(cfg), SimRunner(cfg, timing_only=True)
+    a = ScheduledSeq(1, list(range(20)), 0, 20, [0, 1], sample=True)
+    b = ScheduledSeq(2, list(range(5)), 4, 1, [2], sample=True, num_output_tokens=1)
+    full.execute([ScheduledSeq(2, list(range(4)), 0, 4, [2], sample=False)])
+    want = full.execute([a, b])
+    got = timed.execute([a, b])  # b's blocks were never written: only the full runner checks
+    assert got.elapsed_s == want.elapsed_s
+    assert set(got.tokens) == {1, 2} and all(32 <= t <= 126 for t in got.tokens.values())
+    assert timed.execute([a, b]).tokens == got.tokens  # deterministic
 
 
 def test_options_are_checked() -> None:
