@@ -16,7 +16,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import msgspec
 
@@ -121,8 +121,15 @@ class WorkerState:
 
 
 class Registry:
-    def __init__(self, health: HealthSettings, *, scrape_metrics: bool = False) -> None:
+    def __init__(
+        self,
+        health: HealthSettings,
+        *,
+        scrape_metrics: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.health = health
+        self.clock = clock  # monotonic seconds; the simulated clock in virtual-time replay
         self.scrape_metrics = scrape_metrics or health.scrape_metrics
         self.workers: dict[str, WorkerState] = {}
         self._pools: list[list[WorkerKey]] = []
@@ -206,7 +213,7 @@ class Registry:
             return
         self.mark_success(st.id)
         if not st.config.model and not st.discovered_models:
-            now = time.monotonic()
+            now = self.clock()
             if now - st.discovery_at >= _REDISCOVER_S:  # a worker without /v1/models: not
                 st.discovery_at = now  # asked again every round
                 await self._discover_models(http, st)
@@ -265,7 +272,7 @@ class Registry:
         """Took traffic lately but published no event for ``stale_events_s``: its index view
         is probably frozen (events misconfigured or lost), so placements on it are guesses."""
         limit = self.health.stale_events_s
-        if st.last_routed_at is None or time.monotonic() - st.last_routed_at > limit:
+        if st.last_routed_at is None or self.clock() - st.last_routed_at > limit:
             return False
         return since_last_event is None or since_last_event > limit
 

@@ -17,7 +17,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from urllib.parse import urlsplit
 
 import msgspec
@@ -91,8 +91,11 @@ def load_index(settings: Settings) -> tuple[PrefixIndex, dict[WorkerKey, int]]:
 
 
 class RouterState:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
+        #: every clock placement reads (prediction TTLs, accounting expiry, staleness): the
+        #: event loop's in service, the simulated one in virtual-time replay
+        self.clock = clock
         p = settings.proxy
         self.draining = False  # SIGTERM: /ready answers 503 while in-flight requests finish
         self.upstream = UpstreamPool(  # the proxy's hot path
@@ -121,12 +124,14 @@ class RouterState:
         )
         self.temperature = sc.temperature
         self.rng = random.Random(sc.seed)
-        self.registry = Registry(settings.health, scrape_metrics=sc.scrapes_metrics)
+        self.registry = Registry(settings.health, scrape_metrics=sc.scrapes_metrics, clock=clock)
         self.load = LoadTracker()
         self.accounts = RouteAccounts(
-            self.load, settings.route.account_ttl_s, settings.route.max_accounted
+            self.load, settings.route.account_ttl_s, settings.route.max_accounted, clock
         )
-        self.predicted = PredictedBlocks(sc.predicted_ttl_s, max_blocks=sc.predicted_max_blocks)
+        self.predicted = PredictedBlocks(
+            sc.predicted_ttl_s, max_blocks=sc.predicted_max_blocks, clock=clock
+        )
         self.prom = CollectorRegistry(auto_describe=True)
         self.metrics = RouterMetrics(self.prom)
         self.prom.register(StateCollector(self._samples))
@@ -358,7 +363,7 @@ class RouterState:
             self.predicted.record(hashes[c.matched_blocks :], slot)
         m = self.metrics
         m.child(m.route_decisions, c.key[0], kind).inc()
-        d.states[i].last_routed_at = time.monotonic()
+        d.states[i].last_routed_at = self.clock()
         if d.n:
             self.metrics.matched_ratio.observe(c.matched_blocks / d.n)
         return t

@@ -1,0 +1,200 @@
+"""Placement policies of virtual-time replay: who gets each request, seen from inside the run.
+
+Every policy answers ``place(request, tokens, now) -> (worker, handle)`` and hears back
+``first_token(handle, now)``, ``finish(handle, now)`` and the KV events a worker published
+(``events(worker, events, now)``, already delayed by the run). ``now`` is the simulated clock.
+
+* ``random``, ``round_robin``, ``least_load`` (fewest requests outstanding, ties in turn): the
+  client-side baselines, as in live mode.
+* ``kvrouter``: the router itself — :class:`router.service.RouterState` on the simulated clock,
+  its index fed by the workers' events, ``place`` + ``commit`` as the proxy calls them, the
+  ticket released at the first token and the end, as the proxy does.
+* ``oracle``: sees every engine's exact GPU cache and queue at decision time and picks the
+  worker with the least modeled time to first token (the sim runner's own timing model). Greedy
+  per request, so it is a strong reference, not an upper bound.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgspec
+
+from engine.engine import LLMEngine
+from engine.runner.sim import SimRunner
+from indexer.events import Event
+from router.service import RouterState
+from router.settings import Settings, WorkerConfig
+
+__all__ = ["VIRTUAL_POLICIES", "Policy", "make_policy"]
+
+VIRTUAL_POLICIES = ("random", "round_robin", "least_load", "kvrouter", "oracle")
+
+
+class Policy:
+    """Base: counts requests outstanding per worker; subclasses choose."""
+
+    name = ""
+
+    def __init__(self, engines: Sequence[LLMEngine]) -> None:
+        self.engines = engines
+        self.outstanding = [0] * len(engines)
+
+    def choose(self, tokens: Sequence[int], now: float) -> tuple[int, Any]:
+        raise NotImplementedError
+
+    def place(self, tokens: Sequence[int], now: float) -> tuple[int, Any]:
+        w, handle = self.choose(tokens, now)
+        self.outstanding[w] += 1
+        return w, (w, handle)
+
+    def first_token(self, handle: Any, now: float) -> None:
+        return None
+
+    def finish(self, handle: Any, now: float) -> None:
+        self.outstanding[handle[0]] -= 1
+
+    def events(self, worker: int, events: Sequence[Event], now: float) -> None:
+        return None
+
+
+class RandomPolicy(Policy):
+    name = "random"
+
+    def __init__(self, engines: Sequence[LLMEngine], seed: int) -> None:
+        super().__init__(engines)
+        self.rng = random.Random(seed)
+
+    def choose(self, tokens: Sequence[int], now: float) -> tuple[int, Any]:
+        return self.rng.randrange(len(self.engines)), None
+
+
+class RoundRobinPolicy(Policy):
+    name = "round_robin"
+
+    def __init__(self, engines: Sequence[LLMEngine]) -> None:
+        super().__init__(engines)
+        self.next = 0
+
+    def choose(self, tokens: Sequence[int], now: float) -> tuple[int, Any]:
+        w = self.next
+        self.next = (w + 1) % len(self.engines)
+        return w, None
+
+
+class LeastLoadPolicy(RoundRobinPolicy):
+    name = "least_load"
+
+    def choose(self, tokens: Sequence[int], now: float) -> tuple[int, Any]:
+        n = len(self.engines)
+        order = [(self.next + k) % n for k in range(n)]  # ties in turn
+        w = min(order, key=lambda i: self.outstanding[i])
+        self.next = (w + 1) % n
+        return w, None
+
+
+class KvrouterPolicy(Policy):
+    name = "kvrouter"
+
+    def __init__(
+        self, engines: Sequence[LLMEngine], settings: Settings, clock: Callable[[], float]
+    ) -> None:
+        super().__init__(engines)
+        if settings.scoring.seed is None:  # a tempered first choice must replay the same way
+            settings = msgspec.structs.replace(
+                settings, scoring=msgspec.structs.replace(settings.scoring, seed=0)
+            )
+        self.state = RouterState(settings, clock=clock)
+        self.keys = []
+        for w in range(len(engines)):
+            cfg = WorkerConfig(
+                id=f"w{w}", url=f"http://w{w}.invalid", events_endpoint="tcp://127.0.0.1:9"
+            )  # never dialled
+            self.state.registry.add(cfg)
+            self.state.index.add_worker(cfg.id, 0, model=cfg.model)
+            self.keys.append((cfg.id, 0))
+        self._slot = {k: w for w, k in enumerate(self.keys)}
+
+    def choose(self, tokens: Sequence[int], now: float) -> tuple[int, Any]:
+        d = self.state.place(tokens)
+        best = d.order[0]
+        ticket = self.state.commit(d, best, kind="proxy")
+        return self._slot[d.candidates[best].key], ticket
+
+    def first_token(self, handle: Any, now: float) -> None:
+        self.state.load.first_token(handle[1])
+
+    def finish(self, handle: Any, now: float) -> None:
+        super().finish(handle, now)
+        self.state.load.finish(handle[1])
+
+    def events(self, worker: int, events: Sequence[Event], now: float) -> None:
+        key, apply = self.keys[worker], self.state.index.apply_event
+        for ev in events:
+            apply(key, ev)
+
+
+class OraclePolicy(Policy):
+    """Least modeled TTFT over the engines' exact state (see the module docstring)."""
+
+    name = "oracle"
+
+    def choose(self, tokens: Sequence[int], now: float) -> tuple[int, Any]:
+        bm0 = self.engines[0].bm
+        bs = bm0.block_size
+        hashes = bm0.hash_blocks_of(tokens[: len(tokens) - 1])  # one token is always computed
+        best, best_t = 0, float("inf")
+        for w, engine in enumerate(self.engines):
+            t = modeled_ttft(engine, len(tokens) - len(engine.bm.lookup(hashes)) * bs)
+            if t < best_t:
+                best, best_t = w, t
+        return best, None
+
+
+def modeled_ttft(engine: LLMEngine, new_tokens: int) -> float:
+    """Seconds until a request needing ``new_tokens`` of prefill gets its first token on
+    ``engine``: the prefill queued ahead of it and its own, in steps of the token budget, each
+    step also paying for the batch's decodes (the sim runner's timing model)."""
+    runner = engine.runner
+    assert isinstance(runner, SimRunner)
+    sched = engine.scheduler
+    queued = decoding = context = 0
+    for seq in sched.running:
+        left = seq.num_prompt_tokens - seq.num_computed_tokens
+        if left > 0:
+            queued += left
+        else:
+            decoding += 1
+            context += seq.num_computed_tokens
+    for seq in sched.waiting:
+        queued += seq.num_prompt_tokens - seq.num_computed_tokens
+    budget = max(1, sched.max_num_batched_tokens - decoding)
+    total = queued + new_tokens
+    steps = -(-total // budget)
+    p = runner.p
+    ms = steps * (p["prefill_c"] + (runner.decode_ms(decoding, context) if decoding else 0.0))
+    ms += p["prefill_b"] * total + p["prefill_a"] * min(new_tokens, budget) * new_tokens
+    return ms / 1e3
+
+
+def make_policy(
+    name: str,
+    engines: Sequence[LLMEngine],
+    *,
+    seed: int,
+    settings: Settings,
+    clock: Callable[[], float],
+) -> Policy:
+    if name == "random":
+        return RandomPolicy(engines, seed)
+    if name == "round_robin":
+        return RoundRobinPolicy(engines)
+    if name == "least_load":
+        return LeastLoadPolicy(engines)
+    if name == "kvrouter":
+        return KvrouterPolicy(engines, settings, clock)
+    if name == "oracle":
+        return OraclePolicy(engines)
+    raise ValueError(f"unknown virtual-time policy {name!r} (known: {', '.join(VIRTUAL_POLICIES)})")
