@@ -1,4 +1,5 @@
-"""The ``kvrouter`` command: ``serve`` (the router), ``engine`` (the bundled engine), ``up`` (both).
+"""The ``kvrouter`` command: ``serve`` (the router), ``engine`` (the bundled engine), ``up`` (both),
+``replay`` (routing quality on a trace).
 
 Imports are lazy: ``kvrouter serve`` never loads the engine, ``kvrouter engine`` never loads the
 router.
@@ -19,6 +20,7 @@ commands:
   serve    run the router            (kvrouter serve --help)
   engine   run a bundled engine      (kvrouter engine --help)
   up       run a router and N engines on this machine (kvrouter up --help)
+  replay   replay a trace through every routing policy (kvrouter replay --help)
 """
 
 
@@ -43,5 +45,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvrouter.up import main as up_main
 
         return up_main(rest)
+    if cmd == "replay":
+        from kvrouter.replay.cli import main as replay_main
+
+        return replay_main(rest)
     print(f"kvrouter: unknown command {cmd!r}\n\n{USAGE}", end="", file=sys.stderr)
     return 2

@@ -1,0 +1,218 @@
+"""``kvrouter replay``: a workload through every policy, one after another, and a table.
+
+    kvrouter replay --trace ../shared/traces/conversation_trace.jsonl --count 2000 \\
+        --json out/virtual-conversation.json --plots out/virtual-conversation
+    kvrouter replay --workload shared-prefix --groups 8 --prompts 32 --turns 3
+    kvrouter replay --mode live --trace ... --count 1000 --speedup 1.25 \\
+        --policies round_robin,least_load,kvrouter,sglang --sglang-router-python /tmp/sgl/bin/python
+
+Virtual time (default) runs the bundled engines and the router in this process on a simulated
+clock (:mod:`kvrouter.replay.virtual`); live sends the same requests to running servers
+(:mod:`kvrouter.replay.live`). ``--config`` is a router YAML: its ``scoring`` section is what
+policy ``kvrouter`` places with in both modes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvrouter.replay.trace import (
+    SharedPrefixSpec,
+    TraceError,
+    TraceRequest,
+    check_block_sizes,
+    ideal_hit,
+    load_mooncake,
+    prompt_text,
+    shared_prefix,
+)
+
+__all__ = ["main"]
+
+VIRTUAL_DEFAULT = "random,round_robin,least_load,kvrouter,oracle"
+LIVE_DEFAULT = "round_robin,least_load,kvrouter"
+
+
+def _parser() -> argparse.ArgumentParser:
+    from kvrouter.replay.live import add_live_arguments
+
+    p = argparse.ArgumentParser(
+        prog="kvrouter replay",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    a = p.add_argument
+    a("--mode", choices=("virtual", "live"), default="virtual")
+    a("--trace", help="Mooncake JSONL (timestamp ms, input_length, output_length, hash_ids)")
+    a("--workload", choices=("trace", "shared-prefix"), default="trace")
+    a("--start", type=int, default=0, help="first trace record (default 0)")
+    a("--count", type=int, default=None, help="records to replay (default: all)")
+    a("--trace-block", type=int, default=512, help="tokens per trace hash id (default 512)")
+    a("--policies", help=f"comma-separated (virtual: {VIRTUAL_DEFAULT}; live: {LIVE_DEFAULT})")
+    a("--config", help="router YAML whose scoring policy kvrouter uses")
+    a("--seed", type=int, default=0)
+    a("--json", metavar="PATH", help="write the table and the arguments here")
+    a("--plots", metavar="DIR", help="write ttft_cdf.png and hit_rate.png here")
+    a("--no-progress", action="store_true", help="no progress bar on stderr")
+    f = p.add_argument_group("fleet (both modes)")
+    f.add_argument("--workers", type=int, default=8)
+    f.add_argument("--block-size", type=int, default=16)
+    f.add_argument("--gpu-blocks", type=int, default=65536, help="per worker (default 65536)")
+    v = p.add_argument_group("virtual time (--mode virtual)")
+    v.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    v.add_argument("--max-num-seqs", type=int, default=64)
+    v.add_argument("--event-delay-ms", type=float, default=5.0, help="events reach the index late")
+    v.add_argument(
+        "--sim-option",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="sim runner timing override (repeatable), e.g. decode_d2=4e-5",
+    )
+    g = p.add_argument_group("generated shared-prefix workload (--workload shared-prefix)")
+    for name, default in vars(SharedPrefixSpec()).items():
+        if name != "seed":
+            g.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
+    a("--speedup", type=float, default=1.0, help="live: arrivals at timestamp / speedup")
+    add_live_arguments(p)
+    return p
+
+
+def _workload(args: argparse.Namespace) -> list[TraceRequest]:
+    if args.workload == "shared-prefix":
+        fields = {k: getattr(args, k) for k in vars(SharedPrefixSpec()) if k != "seed"}
+        reqs = shared_prefix(SharedPrefixSpec(**fields, seed=args.seed), args.trace_block)
+        return reqs[args.start : None if args.count is None else args.start + args.count]
+    if not args.trace:
+        raise TraceError("give --trace FILE (or --workload shared-prefix)")
+    return load_mooncake(args.trace, args.start, args.count)
+
+
+def _sim_options(items: Sequence[str]) -> dict[str, float]:
+    out = {}
+    for item in items:
+        k, eq, v = item.partition("=")
+        try:
+            out[k] = float(v)
+        except ValueError:
+            eq = ""
+        if not eq:
+            raise TraceError(f"--sim-option wants NAME=NUMBER, got {item!r}")
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        reqs = _workload(args)
+        check_block_sizes(args.trace_block, args.block_size, reqs)
+        policies = args.policies or (VIRTUAL_DEFAULT if args.mode == "virtual" else LIVE_DEFAULT)
+        names = [p for p in policies.split(",") if p]
+        runs = (
+            _run_virtual(args, reqs, names)
+            if args.mode == "virtual"
+            else _run_live(args, reqs, names)
+        )
+    except (TraceError, ValueError) as e:
+        print(f"kvrouter replay: {e}", file=sys.stderr)
+        return 2
+    from kvrouter.replay.report import format_table, plot, row, write_json
+
+    ideal = ideal_hit(reqs, args.trace_block)
+    table = [row(r, ideal) for r in runs]
+    where = Path(args.trace).name if args.workload == "trace" else "shared-prefix"
+    title = (
+        f"{args.mode}: {where} [{args.start},{args.start + len(reqs)}) {len(reqs)} requests, "
+        f"{args.workers} workers x {args.gpu_blocks * args.block_size} tokens, "
+        f"infinite-cache ideal {ideal:.1%}"
+    )
+    print(format_table(title, table))
+    if args.json:
+        meta: dict[str, Any] = {"args": vars(args), "ideal": ideal, "requests": len(reqs)}
+        if args.mode == "virtual":
+            meta["wall_s"] = {r.policy: round(r.wall_s, 1) for r in runs}
+        write_json(args.json, meta, table)
+    if args.plots:
+        paths = plot(Path(args.plots), runs, table, ideal)
+        print("plots:", *paths)
+    return 0
+
+
+def _run_virtual(args: argparse.Namespace, reqs: list[TraceRequest], names: list[str]) -> list:
+    from kvrouter.replay.policies import VIRTUAL_POLICIES
+    from kvrouter.replay.report import Progress
+    from kvrouter.replay.virtual import VirtualFleet, run_virtual
+    from router.settings import load_settings
+
+    bad = [n for n in names if n not in VIRTUAL_POLICIES]
+    if bad:
+        raise ValueError(
+            f"unknown virtual-time policy {bad[0]!r} (known: {', '.join(VIRTUAL_POLICIES)})"
+        )
+    settings = load_settings(args.config, environ={}, overrides={"block_size": args.block_size})
+    fleet = VirtualFleet(
+        workers=args.workers,
+        block_size=args.block_size,
+        gpu_blocks=args.gpu_blocks,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        event_delay_s=args.event_delay_ms / 1000,
+        sim_options=_sim_options(args.sim_option),
+    )
+    out = []
+    for name in names:
+        tick = None if args.no_progress else Progress(name, len(reqs))
+        out.append(
+            run_virtual(
+                reqs,
+                name,
+                fleet,
+                trace_block=args.trace_block,
+                settings=settings,
+                seed=args.seed,
+                on_done=tick,
+            )
+        )
+    return out
+
+
+def _run_live(args: argparse.Namespace, reqs: list[TraceRequest], names: list[str]) -> list:
+    from kvrouter.replay.live import run_policy, targets_from_args
+    from kvrouter.replay.live_client import LiveRequest
+    from kvrouter.replay.report import Progress
+
+    size = args.trace_block
+    live = [
+        LiveRequest(r.arrival_s, lambda r=r: prompt_text(r, size), r.output_length) for r in reqs
+    ]
+    if args.config and not args.router_config:
+        args.router_config = args.config
+    targets = targets_from_args(
+        args,
+        workers=args.workers,
+        block_size=args.block_size,
+        gpu_blocks=args.gpu_blocks,
+        speedup=args.speedup,
+    )
+    out = []
+    with open(args.children_log or os.devnull, "w") as log:
+        for name in names:
+            tick = None if args.no_progress else Progress(name, len(reqs))
+            out.append(
+                run_policy(
+                    name,
+                    live,
+                    targets,
+                    speedup=args.speedup,
+                    seed=args.seed,
+                    max_inflight=args.max_inflight,
+                    log=log,
+                    on_done=tick,
+                )
+            )
+    return out

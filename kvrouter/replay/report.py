@@ -1,0 +1,128 @@
+"""What a replay prints and writes: one row per policy, a JSON file, two PNG plots, a progress bar.
+
+A row (:func:`row`): requests served and failed; prefix hit rate (Σ cached / Σ prompt tokens, the
+engines' own ``cached_tokens``) and its fraction of the infinite-cache ideal; TTFT mean/p50/p99 and
+end-to-end p50/p99 in milliseconds; requests and prompt tokens per worker (max/min); preemptions;
+in live mode the router's CPU seconds per 1,000 requests and how late the client sent the latest
+request. Times are simulated seconds in virtual time and wall-clock seconds live.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol, TextIO
+
+from kvrouter.replay.fleet import EngineCounters
+from kvrouter.replay.live_client import LiveOutcome
+
+__all__ = ["Progress", "Run", "format_table", "plot", "row", "write_json"]
+
+
+class Run(Protocol):
+    policy: str
+    outcomes: list[LiveOutcome]
+    engines: list[EngineCounters]
+
+
+def _pct(xs: Sequence[float], q: float) -> float | None:
+    return round(xs[min(len(xs) - 1, int(q * len(xs)))] * 1000) if xs else None
+
+
+def row(run: Run, ideal: float) -> dict[str, Any]:
+    ok = [o for o in run.outcomes if o.error is None]
+    ttft = sorted(o.ttft_s for o in ok if o.ttft_s is not None)
+    e2e = sorted(o.e2e_s for o in ok if o.e2e_s is not None)
+    hit = sum(o.cached_tokens for o in ok) / max(1, sum(o.prompt_tokens for o in ok))
+    reqs = [e.requests for e in run.engines] or [0]
+    toks = [e.prompt_tokens for e in run.engines] or [0]
+    out: dict[str, Any] = {
+        "policy": run.policy,
+        "ok": len(ok),
+        "errors": len(run.outcomes) - len(ok),
+        "hit_%": round(hit * 100, 1),
+        "of_ideal_%": round(hit / ideal * 100) if ideal else None,
+        "ttft_mean_ms": round(statistics.mean(ttft) * 1000) if ttft else None,
+        "ttft_p50_ms": _pct(ttft, 0.5),
+        "ttft_p99_ms": _pct(ttft, 0.99),
+        "e2e_p50_ms": _pct(e2e, 0.5),
+        "e2e_p99_ms": _pct(e2e, 0.99),
+        "req/worker": f"{max(reqs)}/{min(reqs)}",
+        "Mtok/worker": f"{max(toks) / 1e6:.2f}/{min(toks) / 1e6:.2f}",
+        "preempt": sum(e.preemptions for e in run.engines),
+    }
+    cpu = getattr(run, "router_cpu_s", None)
+    if hasattr(run, "router_cpu_s"):
+        out["cpu_s/1k"] = None if cpu is None else round(cpu / len(run.outcomes) * 1000, 1)
+        out["late_max_s"] = round(max((o.late_s for o in run.outcomes), default=0.0), 2)
+    return out
+
+
+def format_table(title: str, table: Sequence[dict[str, Any]]) -> str:
+    keys = list(table[0])
+    widths = [max(len(k), *(len(str(r[k])) for r in table)) for k in keys]
+    lines = [title, "  ".join(k.ljust(w) for k, w in zip(keys, widths))]
+    lines += ["  ".join(str(r[k]).ljust(w) for k, w in zip(keys, widths)) for r in table]
+    return "\n".join(lines)
+
+
+def write_json(path: str | Path, meta: dict[str, Any], table: Sequence[dict[str, Any]]) -> None:
+    """The table and the arguments; per-request outcomes stay out (12k rows per policy)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps({**meta, "table": list(table)}, indent=1))
+
+
+def plot(
+    out: Path, runs: Sequence[Run], table: Sequence[dict[str, Any]], ideal: float
+) -> list[Path]:
+    """``ttft_cdf.png`` (TTFT CDF per policy) and ``hit_rate.png`` (hit rate per policy, the
+    ideal as a line) under ``out``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for run in runs:
+        s = sorted(o.ttft_s * 1000 for o in run.outcomes if o.ttft_s is not None)
+        if s:
+            ax.plot(s, [i / len(s) for i in range(len(s))], label=run.policy)
+    ax.set_xscale("log")
+    ax.set_xlabel("time to first token (ms)")
+    ax.set_ylabel("fraction of requests")
+    ax.legend()
+    ax.grid(True, alpha=0.3)
+    paths = [out / "ttft_cdf.png", out / "hit_rate.png"]
+    fig.savefig(paths[0], dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.bar([str(r["policy"]) for r in table], [float(r["hit_%"]) for r in table])
+    ax.axhline(ideal * 100, linestyle="--", color="gray", label="infinite-cache ideal")
+    ax.set_ylabel("prefix hit (% of prompt tokens)")
+    ax.legend()
+    fig.savefig(paths[1], dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return paths
+
+
+class Progress:
+    """``policy [#####.....] done/total`` on stderr, redrawn every 1 % (no dependency)."""
+
+    def __init__(self, policy: str, total: int, stream: TextIO | None = None) -> None:
+        self.policy, self.total, self.done = policy, total, 0
+        self.stream = sys.stderr if stream is None else stream
+        self._step = max(1, total // 100)
+
+    def __call__(self, _: object = None) -> None:
+        self.done += 1
+        if self.done % self._step == 0 or self.done == self.total:
+            filled = 30 * self.done // max(1, self.total)
+            bar = "#" * filled + "." * (30 - filled)
+            end = "\n" if self.done == self.total else ""
+            print(f"\r{self.policy:>12} [{bar}] {self.done}/{self.total}", end=end,
+                  file=self.stream, flush=True)  # fmt: skip
