@@ -31,6 +31,7 @@ from kvrouter.replay.trace import (
     prompt_text,
     shared_prefix,
 )
+from router.errors import ConfigError
 
 __all__ = ["main"]
 
@@ -118,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.mode == "virtual"
             else _run_live(args, reqs, names)
         )
-    except (TraceError, ValueError) as e:
+    except (TraceError, ValueError, ConfigError) as e:
         print(f"kvrouter replay: {e}", file=sys.stderr)
         return 2
     from kvrouter.replay.report import format_table, plot, row, write_json

@@ -16,6 +16,7 @@ Every policy answers ``place(request, tokens, now) -> (worker, handle)`` and hea
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -57,6 +58,9 @@ class Policy:
         self.outstanding[handle[0]] -= 1
 
     def events(self, worker: int, events: Sequence[Event], now: float) -> None:
+        return None
+
+    def close(self) -> None:
         return None
 
 
@@ -134,6 +138,13 @@ class KvrouterPolicy(Policy):
         key, apply = self.keys[worker], self.state.index.apply_event
         for ev in events:
             apply(key, ev)
+
+    def close(self) -> None:
+        async def aclose() -> None:  # never started: this only releases the ZMQ context
+            await self.state.subscriber.aclose()
+            await self.state.upstream.aclose()
+
+        asyncio.run(aclose())
 
 
 class OraclePolicy(Policy):

@@ -23,6 +23,7 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.config import EngineConfig
 from engine.engine import InvalidRequestError, LLMEngine, RequestOutput
@@ -110,94 +111,14 @@ def run_virtual(
     """Replay ``requests`` through ``policy_name`` on a fresh virtual fleet."""
     check_block_sizes(trace_block, fleet.block_size, requests)
     t_wall = time.perf_counter()
-    clock = _Clock()
-    engines = [_engine(fleet, seed) for _ in range(fleet.workers)]
-    runners = [e.runner for e in engines]
-    policy = make_policy(
-        policy_name,
-        engines,
-        seed=seed,
-        settings=settings or Settings(block_size=fleet.block_size),
-        clock=clock,
-    )
-    outcomes = [LiveOutcome(i) for i in range(len(requests))]
-    handles: dict[int, object] = {}
-    busy = [False] * len(engines)
-    heap: list[tuple[float, int, int, object]] = []
-    order = itertools.count()
-    for i, r in enumerate(requests):
-        heap.append((r.arrival_s, _ARRIVE, next(order), i))
-    heapq.heapify(heap)
-    delay = fleet.event_delay_s
-    blocks: dict[int, list[int]] = {}  # trace block tokens, bounded below
-
-    def start_step(w: int, now: float) -> None:
-        engine, runner = engines[w], runners[w]
-        before = runner.busy_s  # type: ignore[attr-defined]
-        outputs = engine.step()
-        elapsed = runner.busy_s - before  # type: ignore[attr-defined]
-        if elapsed <= 0.0 and not outputs:
-            raise RuntimeError(
-                f"virtual worker w{w} has work but could schedule nothing (a request larger "
-                "than its cache?)"
-            )
-        busy[w] = True
-        heapq.heappush(heap, (now + elapsed, _STEP, next(order), (w, outputs)))
-        events = engine.drain_events()
-        if events:
-            heapq.heappush(heap, (now + elapsed + delay, _EVENTS, next(order), (w, events)))
-
-    def landed(w: int, outputs: list[RequestOutput], now: float) -> None:
-        for o in outputs:
-            i = int(o.request_id)
-            out = outcomes[i]
-            if out.ttft_s is None:
-                out.ttft_s = now - requests[i].arrival_s
-                out.cached_tokens = o.num_cached_tokens
-                policy.first_token(handles[i], now)
-            out.output_tokens = o.num_output_tokens
-            if o.finished:
-                out.e2e_s = now - requests[i].arrival_s
-                policy.finish(handles.pop(i), now)
-                if on_done is not None:
-                    on_done(out)
-
-    end = 0.0
-    while heap:
-        now, kind, _, data = heapq.heappop(heap)
-        clock.now = end = now
-        if kind == _ARRIVE:
-            i = data  # type: ignore[assignment]
-            r = requests[i]  # type: ignore[index]
-            if len(blocks) > 100_000:
-                blocks.clear()
-            tokens = prompt_tokens(r, trace_block, blocks)
-            w, handle = policy.place(tokens, now)
-            out = outcomes[i]  # type: ignore[index]
-            out.worker, out.prompt_tokens = f"w{w}", len(tokens)
-            try:
-                engines[w].add_request(Request(str(i), tokens, r.output_length, ignore_eos=True))
-            except InvalidRequestError as e:
-                out.error = str(e)
-                policy.finish(handle, now)
-                if on_done is not None:
-                    on_done(out)
-                continue
-            handles[i] = handle  # type: ignore[index]
-            if not busy[w]:
-                start_step(w, now)
-        elif kind == _STEP:
-            w, outputs = data  # type: ignore[misc]
-            busy[w] = False
-            landed(w, outputs, now)
-            if engines[w].has_work:
-                start_step(w, now)
-        else:
-            w, events = data  # type: ignore[misc]
-            policy.events(w, events, now)
+    sim = _Sim(requests, policy_name, fleet, trace_block, settings, seed, on_done)
+    try:
+        end = sim.run()
+    finally:
+        sim.policy.close()
     counters = []
-    for w, engine in enumerate(engines):
-        mine = [o for o in outcomes if o.worker == f"w{w}" and o.error is None]
+    for w, engine in enumerate(sim.engines):
+        mine = [o for o in sim.outcomes if o.worker == f"w{w}" and o.error is None]
         counters.append(
             EngineCounters(
                 requests=len(mine),
@@ -208,4 +129,115 @@ def run_virtual(
         )
         engine.close()
     first = requests[0].arrival_s if requests else 0.0
-    return VirtualRun(policy_name, outcomes, end - first, time.perf_counter() - t_wall, counters)
+    return VirtualRun(
+        policy_name, sim.outcomes, end - first, time.perf_counter() - t_wall, counters
+    )
+
+
+class _Sim:
+    """One run's discrete-event loop (see the module docstring)."""
+
+    def __init__(
+        self,
+        requests: Sequence[TraceRequest],
+        policy_name: str,
+        fleet: VirtualFleet,
+        trace_block: int,
+        settings: Settings | None,
+        seed: int,
+        on_done: Callable[[LiveOutcome], None] | None,
+    ) -> None:
+        self.requests = requests
+        self.trace_block = trace_block
+        self.delay = fleet.event_delay_s
+        self.on_done = on_done
+        self.clock = _Clock()
+        self.engines = [_engine(fleet, seed) for _ in range(fleet.workers)]
+        self.policy = make_policy(
+            policy_name,
+            self.engines,
+            seed=seed,
+            settings=settings or Settings(block_size=fleet.block_size),
+            clock=self.clock,
+        )
+        self.outcomes = [LiveOutcome(i) for i in range(len(requests))]
+        self.handles: dict[int, object] = {}
+        self.busy = [False] * len(self.engines)
+        self.order = itertools.count()
+        self.heap: list[tuple[float, int, int, Any]] = [
+            (r.arrival_s, _ARRIVE, next(self.order), i) for i, r in enumerate(requests)
+        ]
+        heapq.heapify(self.heap)
+        self.blocks: dict[int, list[int]] = {}  # trace block tokens, cleared past a bound
+
+    def run(self) -> float:
+        heap, end = self.heap, 0.0
+        while heap:
+            now, kind, _, data = heapq.heappop(heap)
+            self.clock.now = end = now
+            if kind == _ARRIVE:
+                self.arrive(data, now)
+            elif kind == _STEP:
+                w, outputs = data
+                self.busy[w] = False
+                self.landed(outputs, now)
+                if self.engines[w].has_work:
+                    self.start_step(w, now)
+            else:
+                w, events = data
+                self.policy.events(w, events, now)
+        return end
+
+    def arrive(self, i: int, now: float) -> None:
+        r = self.requests[i]
+        if len(self.blocks) > 100_000:
+            self.blocks.clear()
+        tokens = prompt_tokens(r, self.trace_block, self.blocks)
+        w, handle = self.policy.place(tokens, now)
+        out = self.outcomes[i]
+        out.worker, out.prompt_tokens = f"w{w}", len(tokens)
+        try:
+            self.engines[w].add_request(Request(str(i), tokens, r.output_length, ignore_eos=True))
+        except InvalidRequestError as e:
+            out.error = str(e)
+            self.policy.finish(handle, now)
+            if self.on_done is not None:
+                self.on_done(out)
+            return
+        self.handles[i] = handle
+        if not self.busy[w]:
+            self.start_step(w, now)
+
+    def start_step(self, w: int, now: float) -> None:
+        engine = self.engines[w]
+        runner = engine.runner
+        assert isinstance(runner, SimRunner)
+        before = runner.busy_s
+        outputs = engine.step()
+        elapsed = runner.busy_s - before
+        if elapsed <= 0.0 and not outputs:
+            raise RuntimeError(
+                f"virtual worker w{w} has work but could schedule nothing (a request larger "
+                "than its cache?)"
+            )
+        self.busy[w] = True
+        heapq.heappush(self.heap, (now + elapsed, _STEP, next(self.order), (w, outputs)))
+        events = engine.drain_events()
+        if events:
+            at = now + elapsed + self.delay
+            heapq.heappush(self.heap, (at, _EVENTS, next(self.order), (w, events)))
+
+    def landed(self, outputs: list[RequestOutput], now: float) -> None:
+        for o in outputs:
+            i = int(o.request_id)
+            out = self.outcomes[i]
+            if out.ttft_s is None:
+                out.ttft_s = now - self.requests[i].arrival_s
+                out.cached_tokens = o.num_cached_tokens
+                self.policy.first_token(self.handles[i], now)
+            out.output_tokens = o.num_output_tokens
+            if o.finished:
+                out.e2e_s = now - self.requests[i].arrival_s
+                self.policy.finish(self.handles.pop(i), now)
+                if self.on_done is not None:
+                    self.on_done(out)
