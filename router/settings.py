@@ -20,6 +20,7 @@ import yaml
 from indexer.events import DEFAULT_TIER_WEIGHTS
 from router.errors import ConfigError
 from router.errors import config_check as _check
+from router.scoring import DEFAULT_OVERLAP_WEIGHT
 from router.settings_k8s import DiscoverySettings, KubernetesSettings
 
 __all__ = [
@@ -130,7 +131,7 @@ class HealthSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 
 class ScoringSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    overlap_weight: float = 1.0
+    overlap_weight: float = DEFAULT_OVERLAP_WEIGHT
     tier_weights: dict[str, float] = msgspec.field(
         default_factory=lambda: dict(DEFAULT_TIER_WEIGHTS)
     )

@@ -22,7 +22,7 @@ from router.scoring import (
     worker_hash,
 )
 
-W = ScoreWeights()
+W = ScoreWeights(overlap_weight=1.0)  # the formula at unit weight; the default is tuned
 
 
 def test_credit_uses_tier_weights_and_unknown_tiers_as_external():
