@@ -28,6 +28,7 @@ from kvrouter.replay.trace import (
     check_block_sizes,
     ideal_hit,
     load_mooncake,
+    pooled_lru_hit,
     prompt_text,
     shared_prefix,
 )
@@ -125,16 +126,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kvrouter.replay.report import format_table, plot, row, write_json
 
     ideal = ideal_hit(reqs, args.trace_block)
+    capacity = args.workers * args.gpu_blocks * args.block_size
+    pooled = pooled_lru_hit(reqs, args.trace_block, capacity)
     table = [row(r, ideal) for r in runs]
     where = Path(args.trace).name if args.workload == "trace" else "shared-prefix"
     title = (
         f"{args.mode}: {where} [{args.start},{args.start + len(reqs)}) {len(reqs)} requests, "
         f"{args.workers} workers x {args.gpu_blocks * args.block_size} tokens, "
-        f"infinite-cache ideal {ideal:.1%}"
+        f"infinite-cache ideal {ideal:.1%}, one pooled LRU cache of the fleet's size {pooled:.1%}"
     )
     print(format_table(title, table))
     if args.json:
-        meta: dict[str, Any] = {"args": vars(args), "ideal": ideal, "requests": len(reqs)}
+        meta: dict[str, Any] = {
+            "args": vars(args),
+            "ideal": ideal,
+            "pooled_lru": pooled,
+            "requests": len(reqs),
+        }
         if args.mode == "virtual":
             meta["wall_s"] = {r.policy: round(r.wall_s, 1) for r in runs}
         write_json(args.json, meta, table)

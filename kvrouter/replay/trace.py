@@ -21,6 +21,7 @@ import json
 import random
 import string
 from array import array
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ __all__ = [
     "block_tokens",
     "ideal_hit",
     "load_mooncake",
+    "pooled_lru_hit",
     "prompt_text",
     "prompt_tokens",
     "shared_prefix",
@@ -182,6 +184,34 @@ def ideal_hit(requests: Iterable[TraceRequest], trace_block: int) -> float:
         hit += min(run * trace_block, r.input_length)
         total += r.input_length
         seen.update(r.hash_ids)
+    return hit / total if total else 0.0
+
+
+def pooled_lru_hit(requests: Iterable[TraceRequest], trace_block: int, capacity: int) -> float:
+    """The hit rate of one LRU cache of ``capacity`` tokens — the whole fleet's, shared with no
+    copy twice — in trace blocks, answers taking room as the engines cache them too. Engines
+    evict LRU, so no placement over them does much better: what keeps a policy under the ideal
+    that it cannot help."""
+    lru: OrderedDict[int, None] = OrderedDict()
+    slots = max(1, capacity // trace_block)
+    fresh = -1  # answer blocks: ids no prompt uses
+    hit = total = 0
+    for r in requests:
+        run = 0
+        for b in r.hash_ids:
+            if b not in lru:
+                break
+            run += 1
+        hit += min(run * trace_block, r.input_length)
+        total += r.input_length
+        for b in r.hash_ids:
+            lru[b] = None
+            lru.move_to_end(b)
+        for _ in range(-(-r.output_length // trace_block)):
+            lru[fresh] = None
+            fresh -= 1
+        while len(lru) > slots:
+            lru.popitem(last=False)
     return hit / total if total else 0.0
 
 

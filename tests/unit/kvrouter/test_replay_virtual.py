@@ -19,6 +19,7 @@ from kvrouter.replay.trace import (
     block_tokens,
     ideal_hit,
     load_mooncake,
+    pooled_lru_hit,
     prompt_tokens,
     shared_prefix,
 )
@@ -172,3 +173,12 @@ def test_progress_bar_ends_with_the_total() -> None:
     for _ in range(250):
         bar()
     assert out.getvalue().endswith("[" + "#" * 30 + "] 250/250\n")
+
+
+def test_pooled_lru_forgets_what_it_had_no_room_for() -> None:
+    reqs = [_req(0, [1, 2], out=1), _req(1, [3, 4], out=1), _req(2, [1, 2], out=1)]
+    total = 3 * 128
+    # room for everything (answers take a block each): the third request hits its two blocks
+    assert pooled_lru_hit(reqs, TB, 6 * TB) == pytest.approx(128 / total) == ideal_hit(reqs, TB)
+    # room for 4 blocks: [1, 2] were evicted by [3, 4] and the answers
+    assert pooled_lru_hit(reqs, TB, 4 * TB) == 0.0
