@@ -36,7 +36,7 @@ from router.errors import ConfigError
 
 __all__ = ["main"]
 
-VIRTUAL_DEFAULT = "random,round_robin,least_load,kvrouter,oracle"
+VIRTUAL_DEFAULT = "random,round_robin,least_load,kvrouter,cache_aware,oracle"
 LIVE_DEFAULT = "round_robin,least_load,kvrouter"
 
 

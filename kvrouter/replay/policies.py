@@ -9,6 +9,12 @@ Every policy answers ``place(request, tokens, now) -> (worker, handle)`` and hea
 * ``kvrouter``: the router itself — :class:`router.service.RouterState` on the simulated clock,
   its index fed by the workers' events, ``place`` + ``commit`` as the proxy calls them, the
   ticket released at the first token and the end, as the proxy does.
+* ``cache_aware``: sglang-router 0.3.2's ``--policy cache_aware`` with its defaults, emulated so
+  the peer's rule runs in virtual time too: a tree of what was *routed* to each worker (no KV
+  event), requests outstanding as load; when ``max − min > 64`` and ``max > 1.5·min`` the least
+  loaded worker, else the longest match if it covers more than 30 % of the prompt, else the
+  worker with the smallest tree. Prefixes are matched in 16-token blocks, not characters, and the
+  tree is never evicted (its cap is 2^26 characters). Live, the real one runs (policy ``sglang``).
 * ``oracle``: sees every engine's exact GPU cache and queue at decision time and picks the
   worker with the least modeled time to first token (the sim runner's own timing model). Greedy
   per request, so it is a strong reference, not an upper bound.
@@ -31,7 +37,7 @@ from router.settings import Settings, WorkerConfig
 
 __all__ = ["VIRTUAL_POLICIES", "Policy", "make_policy"]
 
-VIRTUAL_POLICIES = ("random", "round_robin", "least_load", "kvrouter", "oracle")
+VIRTUAL_POLICIES = ("random", "round_robin", "least_load", "kvrouter", "cache_aware", "oracle")
 
 
 class Policy:
@@ -147,6 +153,44 @@ class KvrouterPolicy(Policy):
         asyncio.run(aclose())
 
 
+class CacheAwarePolicy(Policy):
+    """sglang-router's cache_aware rule (see the module docstring)."""
+
+    name = "cache_aware"
+    CACHE_THRESHOLD = 0.3
+    BALANCE_ABS = 64
+    BALANCE_REL = 1.5
+
+    def __init__(self, engines: Sequence[LLMEngine]) -> None:
+        super().__init__(engines)
+        self.trees: list[set[int]] = [set() for _ in engines]
+
+    def choose(self, tokens: Sequence[int], now: float) -> tuple[int, Any]:
+        hashes = self.engines[0].bm.hash_blocks_of(tokens)
+        load = self.outstanding
+        lo, hi = min(load), max(load)
+        if hi - lo > self.BALANCE_ABS and hi > lo * self.BALANCE_REL:
+            w = load.index(lo)
+        else:
+            matched = [_leading(tree, hashes) for tree in self.trees]
+            best = max(range(len(matched)), key=lambda i: (matched[i], -load[i]))
+            if matched[best] * self.engines[0].bm.block_size > self.CACHE_THRESHOLD * len(tokens):
+                w = best
+            else:
+                w = min(range(len(self.trees)), key=lambda i: len(self.trees[i]))
+        self.trees[w].update(hashes)
+        return w, None
+
+
+def _leading(tree: set[int], hashes: Sequence[int]) -> int:
+    n = 0
+    for h in hashes:
+        if h not in tree:
+            break
+        n += 1
+    return n
+
+
 class OraclePolicy(Policy):
     """Least modeled TTFT over the engines' exact state (see the module docstring)."""
 
@@ -206,6 +250,8 @@ def make_policy(
         return LeastLoadPolicy(engines)
     if name == "kvrouter":
         return KvrouterPolicy(engines, settings, clock)
+    if name == "cache_aware":
+        return CacheAwarePolicy(engines)
     if name == "oracle":
         return OraclePolicy(engines)
     raise ValueError(f"unknown virtual-time policy {name!r} (known: {', '.join(VIRTUAL_POLICIES)})")
