@@ -12,7 +12,7 @@ ARG BASE_IMAGE=python:3.11-slim-bookworm
 # ---------------------------------------------------------------------------------------- builder
 FROM ${BASE_IMAGE} AS builder
 ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-# gcc for indexer/_chash.c and router/_score.c; Python.h comes with the python:* images, and from
+# gcc for indexer/_chash.c and router/_native.c; Python.h comes with the python:* images, and from
 # python3-dev on a Debian python3
 RUN apt-get update \
  && apt-get install -y --no-install-recommends gcc libc6-dev \
@@ -38,7 +38,7 @@ RUN --mount=type=secret,id=ca-bundle \
     if [ -s /run/secrets/ca-bundle ]; then export PIP_CERT=/run/secrets/ca-bundle; fi \
  && /opt/kvrouter/bin/pip wheel --no-deps --wheel-dir /wheels . \
  && /opt/kvrouter/bin/pip install "$(ls /wheels/kvrouter-*.whl)[k8s]" \
- && cd / && /opt/kvrouter/bin/python -c "import indexer._chash, router._score" \
+ && cd / && /opt/kvrouter/bin/python -c "import indexer._chash, router._native" \
  && /opt/kvrouter/bin/pip uninstall -y wheel setuptools \
  && /opt/kvrouter/bin/python -m pip uninstall -y pip \
  && find /opt/kvrouter -name __pycache__ -prune -exec rm -rf {} + \

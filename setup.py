@@ -1,6 +1,7 @@
 """Build hook for the optional C accelerators: the router block hash and index tables
-(``indexer._chash``), the router's body scanner and load counts (``router._native``) and the
-scorer (``router._score``).
+(``indexer._chash``) and the router's body scanner and load counts (``router._native``). The
+scorer has no C twin: it cost ~18 µs a placement and a second copy of the cost formula
+(docs/replay.md measures /route without it).
 
 The extension is `optional`: if no compiler is present the install still succeeds and
 `indexer.hashing` falls back to the pure-Python implementation, which gives identical values.
@@ -22,13 +23,6 @@ setup(
             sources=["router/_native.c"],
             optional=True,
             extra_compile_args=["-O3"],
-        ),
-        # router.scoring's C twin; no FP contraction, so costs equal the Python ones bit for bit
-        Extension(
-            "router._score",
-            sources=["router/_score.c"],
-            optional=True,
-            extra_compile_args=["-O3", "-ffp-contract=off"],
         ),
     ]
 )

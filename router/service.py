@@ -121,6 +121,7 @@ class RouterState:
             running_weight=sc.running_weight,
             waiting_weight=sc.waiting_weight,
             kv_usage_weight=sc.kv_usage_weight,
+            cache_credit=sc.cache_credit,
         )
         self.temperature = sc.temperature
         self.rng = random.Random(sc.seed)

@@ -20,7 +20,7 @@ import yaml
 from indexer.events import DEFAULT_TIER_WEIGHTS
 from router.errors import ConfigError
 from router.errors import config_check as _check
-from router.scoring import DEFAULT_OVERLAP_WEIGHT
+from router.scoring import DEFAULT_CACHE_CREDIT, DEFAULT_OVERLAP_WEIGHT
 from router.settings_k8s import DiscoverySettings, KubernetesSettings
 
 __all__ = [
@@ -132,6 +132,7 @@ class HealthSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 class ScoringSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     overlap_weight: float = DEFAULT_OVERLAP_WEIGHT
+    cache_credit: float = DEFAULT_CACHE_CREDIT
     tier_weights: dict[str, float] = msgspec.field(
         default_factory=lambda: dict(DEFAULT_TIER_WEIGHTS)
     )
@@ -147,6 +148,7 @@ class ScoringSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
     def __post_init__(self) -> None:
         _check(self.overlap_weight >= 0, "overlap_weight", "must be >= 0")
+        _check(self.cache_credit >= 0, "cache_credit", "must be >= 0")
         for tier, w in self.tier_weights.items():
             _check(0 <= w <= 1, f"tier_weights.{tier}", "must be between 0 and 1")
         if self.recompute_s_per_block is not None:

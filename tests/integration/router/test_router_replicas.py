@@ -86,7 +86,8 @@ async def test_load_placed_through_one_replica_steers_the_other(workers, router,
     never saw them, yet stops choosing ``a`` once its scrape of a's ``/metrics`` shows them."""
     a = await workers("a", first_token_delay_s=30.0)  # requests placed on a stay running
     b = await workers("b")
-    scoring = {"running_weight": 50.0}
+    # the 9 cached blocks credit 9 · 16 · 8 = 1,152 (default weights); 3 running · 500 outweigh it
+    scoring = {"running_weight": 500.0}
     health = {"interval_s": 0.1, "timeout_s": 2.0, "scrape_metrics": True}
     one = await router([a, b], scoring=scoring, health=health)
     two = await router([a, b], scoring=scoring, health=health)

@@ -8,7 +8,7 @@ import random
 import pytest
 from router_fakeworker import wait_for
 
-from router.scoring import DEFAULT_OVERLAP_WEIGHT
+from router.scoring import DEFAULT_CACHE_CREDIT, DEFAULT_OVERLAP_WEIGHT
 
 BS = 16
 
@@ -44,12 +44,18 @@ async def until_matched(http, r, tokens, worker, tier, n) -> dict:
     return last
 
 
-def expected_cost(c: dict, n: int, ow: float = DEFAULT_OVERLAP_WEIGHT) -> float:
+OW, CC = DEFAULT_OVERLAP_WEIGHT, DEFAULT_CACHE_CREDIT
+#: what a worker pays per block of the request it must prefill while another worker holds it
+LACKED = OW * CC
+
+
+def expected_cost(c: dict, n: int, best: float) -> float:
+    """The cost formula (docs/architecture.md §5) by hand; ``best``: the largest credit."""
     w = {"GPU": 1.0, "CPU_PINNED": 0.8, "DISK": 0.5, "EXTERNAL": 0.3}
     credit = c["predicted_blocks"] + sum(w.get(t, 0.3) * m for t, m in c["matched_by_tier"].items())
     prefill = max(0.0, c["inflight_prefill_blocks"] - c["shared_prefill_blocks"])
     active = max(0, c["active_blocks"] - c["shared_active_blocks"])
-    return ow * (prefill + n - credit) + active
+    return OW * (prefill + n - credit + (CC - 1) * (best - credit)) + active
 
 
 async def test_prefix_on_b_gpu_goes_to_b_and_proxy_follows(workers, router, http):
@@ -60,7 +66,7 @@ async def test_prefix_on_b_gpu_goes_to_b_and_proxy_follows(workers, router, http
     assert b.store(tokens) == 22
     body = await until_matched(http, r, tokens, "b", "GPU", 22)
     assert body["worker_id"] == "b" and body["request_blocks"] == 22
-    assert cand(body, "b")["cost"] == 0.0 and cand(body, "a")["cost"] == 22 * DEFAULT_OVERLAP_WEIGHT
+    assert cand(body, "b")["cost"] == 0.0 and cand(body, "a")["cost"] == 22 * LACKED
     assert body["cached_blocks"] == 22 and body["url"] == b.url
     # /route is read-only: no load, no prediction was recorded
     assert r.state.load.get(("b", 0)) is None and len(r.state.predicted) == 0
@@ -88,7 +94,7 @@ async def test_disk_on_a_and_gpu_on_b_goes_to_b(workers, router, http):
     ca, cb = cand(body, "a"), cand(body, "b")
     assert ca["matched_by_tier"] == {"GPU": 0, "CPU_PINNED": 0, "DISK": 40, "EXTERNAL": 0}
     assert ca["credited_blocks"] == pytest.approx(20.0)
-    assert ca["cost"] == pytest.approx(20.0 * DEFAULT_OVERLAP_WEIGHT)
+    assert ca["cost"] == pytest.approx(20.0 * LACKED)  # the 20 credited blocks b has beyond a
     assert cb["cost"] == 0.0
     # unknown media are scored like EXTERNAL, never like GPU
     other = toks(2, 10 * BS)
@@ -105,23 +111,19 @@ async def test_overloaded_a_loses_to_idle_b_by_cost(workers, router, http):
     body = await until_matched(http, r, prefix, "a", "GPU", 8)
     assert body["worker_id"] == "a"  # cached and idle: A
 
-    # load A past what 8 blocks of prefill weigh (8 x overlap_weight): an accounted placement
-    # of a 160-block prompt that only A caches
-    big = toks(4, 160 * BS)
+    # load A past what turning away from 8 cached blocks costs (8 · overlap_weight · cache_credit
+    # = 1,024 blocks): an accounted placement of a 1,100-block prompt that only A caches
+    big = toks(4, 1100 * BS)
     a.store(big)
-    await until_matched(http, r, big, "a", "GPU", 160)
+    await until_matched(http, r, big, "a", "GPU", 1100)
     acc = await route(http, r, token_ids=big, account=True)
     assert acc["worker_id"] == "a" and acc["route_id"]
 
     body = await route(http, r, token_ids=prefix)
     ca, cb = cand(body, "a"), cand(body, "b")
-    assert ca["matched_blocks"] == 8 and ca["active_blocks"] == 161  # 160 blocks + 1 request
-    assert ca["cost"] == pytest.approx(expected_cost(ca, 8)) == pytest.approx(161.0)
-    assert (
-        cb["cost"]
-        == pytest.approx(expected_cost(cb, 8))
-        == pytest.approx(8 * DEFAULT_OVERLAP_WEIGHT)
-    )
+    assert ca["matched_blocks"] == 8 and ca["active_blocks"] == 1101  # 1,100 blocks + 1 request
+    assert ca["cost"] == pytest.approx(expected_cost(ca, 8, 8.0)) == pytest.approx(1101.0)
+    assert cb["cost"] == pytest.approx(expected_cost(cb, 8, 8.0)) == pytest.approx(8 * LACKED)
     assert body["worker_id"] == "b"  # the cost decides, not the cache alone
 
     rel = await http.post(f"{r.url}/route/{acc['route_id']}/release")

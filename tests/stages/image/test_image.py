@@ -170,7 +170,7 @@ def test_router_image_has_accelerators_and_no_compiler(router_fs: Rootfs) -> Non
         for d in ("usr/bin", "usr/local/bin"):
             assert not (router_fs.path / d / name).exists(), f"/{d}/{name} in the final image"
     out = router_fs.run(
-        "python", "-c", "import indexer._chash, router._score, lightkube; print('ok')"
+        "python", "-c", "import indexer._chash, router._native, lightkube; print('ok')"
     )
     assert out.strip() == "ok"
     assert router_fs.run("kvrouter", "--version").strip().startswith("kvrouter ")
