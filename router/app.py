@@ -15,6 +15,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
@@ -284,4 +285,26 @@ def create_app(settings: Settings) -> FastAPI:
     add("/health", health, methods=["GET"])
     add("/ready", ready, methods=["GET"])
     add("/metrics", metrics, methods=["GET"])
+    if settings.server.docs:
+        _add_docs(app)
     return app
+
+
+def _add_docs(app: FastAPI) -> None:
+    """``GET /openapi.json`` (built once from the API's Structs) and ``GET /docs`` (Swagger UI;
+    the browser loads its script from a CDN, the router fetches nothing)."""
+    from fastapi.openapi.docs import get_swagger_ui_html
+
+    from router.metrics import installed_version
+    from router.openapi import openapi_document
+
+    document = msgspec.json.encode(openapi_document(installed_version()))
+
+    async def openapi_json(request: Request) -> Response:
+        return Response(document, media_type="application/json")
+
+    async def docs(request: Request) -> Response:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="kvrouter API")
+
+    app.add_route("/openapi.json", openapi_json, methods=["GET"])
+    app.add_route("/docs", docs, methods=["GET"])

@@ -16,6 +16,8 @@ __all__ = [
     "BadRequest",
     "ConfigError",
     "Conflict",
+    "ErrorBody",
+    "ErrorDetail",
     "Forbidden",
     "GatewayTimeout",
     "MethodNotAllowed",
@@ -144,7 +146,7 @@ class TokenizeError(RouterError):
     type = "invalid_request_error"
 
 
-class _ErrorDetail(msgspec.Struct):
+class ErrorDetail(msgspec.Struct):
     """OpenAI's error object: clients parse ``param`` and ``code`` too (null when not known)."""
 
     message: str
@@ -153,8 +155,8 @@ class _ErrorDetail(msgspec.Struct):
     code: str | None = None
 
 
-class _ErrorBody(msgspec.Struct):
-    error: _ErrorDetail
+class ErrorBody(msgspec.Struct):
+    error: ErrorDetail
 
 
 _encode = msgspec.json.Encoder().encode
@@ -162,7 +164,7 @@ _encode = msgspec.json.Encoder().encode
 
 def error_json(message: str, type_: str) -> bytes:
     """The body of every error answer: ``{"error": {"message", "type", "param", "code"}}``."""
-    return _encode(_ErrorBody(_ErrorDetail(message, type_)))
+    return _encode(ErrorBody(ErrorDetail(message, type_)))
 
 
 def error_response(

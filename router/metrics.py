@@ -27,21 +27,33 @@ from prometheus_client.registry import Collector
 from indexer.index.native import BACKENDS as NATIVE_BACKENDS
 from router.metric_family import Family as _Family
 
-__all__ = ["RouterMetrics", "StateCollector", "WorkerSample", "register_process_metrics"]
+__all__ = [
+    "RouterMetrics",
+    "StateCollector",
+    "WorkerSample",
+    "installed_version",
+    "register_process_metrics",
+]
+
+
+def installed_version() -> str:
+    """kvrouter's installed version (build info, the OpenAPI document)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("kvrouter")
+    except metadata.PackageNotFoundError:  # run from a source tree that was not installed
+        return "unknown"
 
 
 def register_process_metrics(registry: CollectorRegistry) -> None:
     """``process_*`` (CPU, memory, fds: prometheus_client's collector) and
     ``kvrouter_build_info`` (version and Python, value 1) on the router's registry."""
     import platform
-    from importlib import metadata
 
     from prometheus_client import Gauge, ProcessCollector
 
-    try:
-        version = metadata.version("kvrouter")
-    except metadata.PackageNotFoundError:  # run from a source tree that was not installed
-        version = "unknown"
+    version = installed_version()
     ProcessCollector(registry=registry)
     info = Gauge(
         "kvrouter_build_info",

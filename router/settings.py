@@ -104,6 +104,7 @@ class ServerSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     max_header_bytes: int = 65536
     body_timeout_s: float = 30.0
     drain_grace_s: float = 30.0
+    docs: bool = True
 
     def __post_init__(self) -> None:
         _check(self.http in ("h11", "httptools"), "http", "must be h11 or httptools")

@@ -203,3 +203,38 @@ async def test_worker_serving_traffic_without_events_is_flagged(workers, router,
         assert time.monotonic() < deadline, "still flagged after an event"
         await asyncio.sleep(0.05)
     assert time.monotonic() - routed < 10.0  # the event cleared it, not the traffic ageing out
+
+
+async def test_openapi_document_describes_what_the_router_answers(workers, router, http):
+    """/openapi.json is built from the Structs the handlers use: a real /route request and its
+    answer validate against it, a wrong body does not, and /docs renders it; docs: false → 404."""
+    import jsonschema
+
+    a = await workers("a")
+    r = await router([a])
+    doc = (await http.get(r.url + "/openapi.json")).json()
+    assert doc["openapi"].startswith("3.1")
+    for path in ("/route", "/v1/completions", "/v1/chat/completions", "/workers", "/ready"):
+        assert path in doc["paths"], path
+    schemas = doc["components"]["schemas"]
+
+    def check(instance: object, name: str) -> None:
+        schema = {"$ref": f"#/components/schemas/{name}", "components": doc["components"]}
+        jsonschema.validate(instance, schema)
+
+    body = {"token_ids": list(range(40)), "account": False, "cache_salt": "t1"}
+    check(body, "RouteRequest")
+    with pytest.raises(jsonschema.ValidationError):
+        check({"token_ids": [-1]}, "RouteRequest")  # the router's 422 in the document too
+    answer = (await http.post(r.url + "/route", json=body)).json()
+    check(answer, "RouteOut")
+    assert set(answer["candidates"][0]) == set(schemas["CandidateOut"]["properties"])
+    refused = await http.post(r.url + "/route", json={"token_ids": [-1]})
+    err(refused, 422)
+    check(refused.json(), "ErrorBody")
+    page = await http.get(r.url + "/docs")
+    assert page.status_code == 200 and "/openapi.json" in page.text
+
+    closed = await router([a], server={"docs": False})
+    assert (await http.get(closed.url + "/docs")).status_code == 404
+    assert (await http.get(closed.url + "/openapi.json")).status_code == 404

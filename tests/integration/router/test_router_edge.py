@@ -323,3 +323,27 @@ async def test_static_worker_without_events_reads_kv_event_sources(router, worke
         )
     finally:
         await front.stop()
+
+
+async def test_connection_cap_answers_503_and_frees_when_clients_leave(router) -> None:
+    """``server.max_connections`` (uvicorn's limit_concurrency): with the cap's worth of idle
+    connections open, a request on one more gets 503, not a hang; once they close, 200 again."""
+    r = await router(workers=[], ready=False, server={"max_connections": 6})
+    port = int(r.url.rsplit(":", 1)[1])
+    conns = r.server.server.server_state.connections  # uvicorn.Server's open connections
+    idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(6)]
+    await wait_for(lambda: len(conns) >= 6, 10, "the idle connections accepted")
+
+    async def status() -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n"), 10)
+        writer.close()
+        return head
+
+    assert (await status()).startswith(b"HTTP/1.1 503 ")
+    for _, writer in idle:
+        writer.close()
+    await wait_for(lambda: not conns, 10, "the idle connections gone")
+    assert (await status()).startswith(b"HTTP/1.1 200 ")
