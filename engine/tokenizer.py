@@ -1,23 +1,11 @@
 """Text ↔ token ids for the engine's OpenAI server: the byte tokenizer, or a local tokenizer.json.
 
-Byte tokenizer (the default; the router's built-in ``byte`` tokenizer implements the same
-contract; the router's tests check both against each other):
-
-* ``encode(text) = list(text.encode("utf-8"))`` — token id = UTF-8 byte value, no BOS/EOS,
-  no special tokens; ``/v1/completions`` with a string prompt uses exactly this.
-* ``decode(ids)``: runs of ids < 256 are bytes decoded as UTF-8 with ``errors="replace"``; each id
-  >= 256 decodes to U+FFFD.
-* chat template, applied to ``messages`` before encoding::
-
-      for m in messages:  "<|" + m.role + "|>\\n" + m.content + "\\n"
-      then:               "<|assistant|>\\n"
-
-  ``content`` is a string, or a list of parts whose ``{"type": "text", "text": ...}`` texts (and
-  bare strings) are concatenated with no separator; null content is "". Example:
-  ``[{"role": "user", "content": "Hi"}]`` → ``"<|user|>\\nHi\\n<|assistant|>\\n"``.
+The byte tokenizer (the default) is the contract the router computes too; it is defined once, in
+``indexer.byte_tokens`` (encoding and the chat format), and used here in its strict form: a
+message without a role or with a non-text part is refused (:class:`ChatTemplateError`, a 400).
 
 An HF ``tokenizer.json`` (with ``chat_template`` from a ``tokenizer_config.json`` beside it when
-present, else the template above) is used when configured or shipped with the runner's model.
+present, else the byte chat format) is used when configured or shipped with the runner's model.
 """
 
 from __future__ import annotations
@@ -27,6 +15,8 @@ import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
+
+from indexer import byte_tokens
 
 __all__ = [
     "ByteTokenizer",
@@ -47,33 +37,18 @@ class ChatTemplateError(ValueError):
 
 
 def message_text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if isinstance(part, str):  # lenient, as the router's byte tokenizer is
-                parts.append(part)
-            elif isinstance(part, Mapping) and part.get("type") == "text":
-                parts.append(str(part.get("text", "")))
-            else:
-                raise ChatTemplateError("only text content parts are supported")
-        return "".join(parts)
-    raise ChatTemplateError("message content must be a string or a list of text parts")
+    try:
+        return byte_tokens.message_text(content)
+    except byte_tokens.ByteChatError as e:
+        raise ChatTemplateError(str(e)) from e
 
 
 def render_chat(messages: Sequence[Mapping[str, Any]]) -> str:
-    """The fixed chat template (see the module docstring)."""
-    out = []
-    for m in messages:
-        role = m.get("role")
-        if not isinstance(role, str) or not role:
-            raise ChatTemplateError("every message needs a role")
-        out.append(f"<|{role}|>\n{message_text(m.get('content'))}\n")
-    out.append("<|assistant|>\n")
-    return "".join(out)
+    """The byte chat format (``indexer.byte_tokens``), strict."""
+    try:
+        return byte_tokens.render_chat(messages)
+    except byte_tokens.ByteChatError as e:
+        raise ChatTemplateError(str(e)) from e
 
 
 class Detokenizer(Protocol):
@@ -116,7 +91,10 @@ class ByteTokenizer:
     eos_token_ids: tuple[int, ...] = ()
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        return list(text.encode("utf-8"))
+        try:
+            return byte_tokens.encode(text)
+        except byte_tokens.ByteChatError as e:
+            raise ChatTemplateError(str(e)) from e
 
     def decode(self, ids: Sequence[int]) -> str:
         d = _ByteDetokenizer()

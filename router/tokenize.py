@@ -1,7 +1,8 @@
 """Text → token ids for routing, when a request carries text instead of ``token_ids``.
 
 - ``byte`` (default): token id = UTF-8 byte value (0..255), no special tokens — the bundled
-  engine's default tokenizer. Chat messages are rendered with :data:`BYTE_CHAT_TEMPLATE` first.
+  engine's default tokenizer, by the contract both import (``indexer.byte_tokens``); chat
+  messages are rendered in its chat format first.
 - ``hf:<dir>``: a local Hugging Face ``tokenizer.json`` (``tokenizers`` package); chat messages
   go through the ``chat_template`` of ``<dir>/tokenizer_config.json`` rendered with jinja2 in a
   sandbox, like ``transformers.apply_chat_template(..., add_generation_prompt=True)``.
@@ -22,11 +23,11 @@ from typing import Any, Protocol
 
 import msgspec
 
+from indexer import byte_tokens
 from router.errors import ConfigError, NoHealthyWorker, TokenizeError
 from router.upstream import UpstreamError, UpstreamPool
 
 __all__ = [
-    "BYTE_CHAT_TEMPLATE",
     "ByteTokenizer",
     "HFTokenizer",
     "Tokenizer",
@@ -37,11 +38,6 @@ __all__ = [
     "render_byte_chat",
 ]
 
-#: Chat rendering of the byte tokenizer — the engine ↔ router contract of ``engine/tokenizer.py``
-#: (and spec BYTE_TOKENIZER.md): ``<|role|>\ncontent\n`` per message, then ``<|assistant|>\n``.
-BYTE_CHAT_TEMPLATE = "<|{role}|>\n{content}\n"
-BYTE_GENERATION_PROMPT = "<|assistant|>\n"
-
 # Byte tokenization is a memcpy; only huge prompts leave the loop. An HF tokenizer spends about
 # 1 µs per character, so a few thousand characters is already a few milliseconds.
 _BYTE_OFFLOOP_CHARS = 1 << 20
@@ -51,31 +47,19 @@ _HF_OFFLOOP_CHARS = 2048
 
 def message_text(content: Any) -> str:
     """OpenAI message content: a string, or a list of parts of which the text parts count."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        out = []
-        for part in content:
-            if isinstance(part, dict) and part.get("type") == "text":
-                out.append(str(part.get("text", "")))
-            elif isinstance(part, str):
-                out.append(part)
-        return "".join(out)
-    raise TokenizeError("messages[].content must be a string or a list of content parts")
+    try:
+        return byte_tokens.message_text(content, strict=False)
+    except byte_tokens.ByteChatError as e:
+        raise TokenizeError(f"messages[].content: {e}") from e
 
 
 def render_byte_chat(messages: Sequence[Any]) -> str:
-    parts = []
-    for m in messages:
-        parts.append(
-            BYTE_CHAT_TEMPLATE.format(
-                role=m.get("role", ""), content=message_text(m.get("content"))
-            )
-        )
-    parts.append(BYTE_GENERATION_PROMPT)
-    return "".join(parts)
+    """The byte chat format (``indexer.byte_tokens``), lenient: the router only places the
+    request; the worker judges what it cannot render."""
+    try:
+        return byte_tokens.render_chat(messages, strict=False)
+    except byte_tokens.ByteChatError as e:
+        raise TokenizeError(f"messages: {e}") from e
 
 
 class Tokenizer(Protocol):
@@ -94,9 +78,9 @@ class ByteTokenizer:
     @staticmethod
     def encode_sync(text: str) -> list[int]:
         try:
-            return list(text.encode("utf-8"))
-        except UnicodeEncodeError as e:  # a lone surrogate escaped in the JSON
-            raise TokenizeError(f"prompt is not valid Unicode text: {e.reason}") from e
+            return byte_tokens.encode(text)
+        except byte_tokens.ByteChatError as e:  # a lone surrogate escaped in the JSON
+            raise TokenizeError(f"prompt: {e}") from e
 
     async def encode(self, prompt: str, model: str | None = None) -> list[int]:
         if len(prompt) > _BYTE_OFFLOOP_CHARS:
