@@ -134,14 +134,19 @@ def credited_blocks(by_tier: Mapping[str, int], predicted: int, weights: ScoreWe
 def score(c: Candidate, n: int, weights: ScoreWeights, best_credit: float = 0.0) -> float:
     """Set and return ``c.cost`` (and ``c.credited``) for a request of ``n`` full blocks;
     ``best_credit`` is ``c*``, the largest credit among the healthy candidates."""
-    credit = credited_blocks(c.by_tier, c.predicted_blocks, weights)
+    return _cost(
+        c, n, weights, credited_blocks(c.by_tier, c.predicted_blocks, weights), best_credit
+    )
+
+
+def _cost(c: Candidate, n: int, weights: ScoreWeights, credit: float, best: float) -> float:
     prefill = c.inflight_prefill - c.shared_prefill
     if prefill < 0.0:
         prefill = 0.0
     active = c.active_blocks - c.shared_active
     if active < 0:
         active = 0
-    lacked = best_credit - credit if best_credit > credit else 0.0
+    lacked = best - credit if best > credit else 0.0
     cost = (
         weights.overlap_weight * (prefill + n - credit + (weights.cache_credit - 1.0) * lacked)
         + active
@@ -185,16 +190,17 @@ def rank(
 
     The order is the retry order of the proxy: the first is the choice.
     """
+    credits = []
     best = 0.0
     for c in candidates:
-        if c.healthy:
-            credit = credited_blocks(c.by_tier, c.predicted_blocks, weights)
-            if credit > best:
-                best = credit
+        x = credited_blocks(c.by_tier, c.predicted_blocks, weights)
+        credits.append(x)
+        if x > best and c.healthy:
+            best = x
     healthy: list[tuple[float, float, int]] = []
     append = healthy.append
     for i, c in enumerate(candidates):
-        cost = score(c, n, weights, best)
+        cost = _cost(c, n, weights, credits[i], best)
         if c.healthy:
             append((cost, c.inflight_prefill + c.active_blocks, i))
     healthy.sort()
