@@ -231,9 +231,17 @@ def create_app(settings: Settings) -> FastAPI:
 
         discovery = KubernetesDiscovery(settings.kubernetes.discovery)
 
+    tracing = None
+    if settings.tracing.otlp_endpoint is not None:
+        from router.tracing import Tracing, inject_trace_headers
+
+        tracing = Tracing(settings.tracing)  # ConfigError here, at start, without the extra
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state = RouterState(settings)
+        if tracing is not None:
+            state.trace_headers = inject_trace_headers()
         tasks: list[asyncio.Task[None]] = []
         try:
             await state.subscriber.start()
@@ -260,6 +268,8 @@ def create_app(settings: Settings) -> FastAPI:
                 state.write_snapshot()
             await state.subscriber.aclose()
             await state.upstream.aclose()
+            if tracing is not None:  # flush the queued spans (blocking HTTP: off the loop)
+                await asyncio.to_thread(tracing.shutdown)
 
     app = FastAPI(
         title="kvrouter",
@@ -270,7 +280,10 @@ def create_app(settings: Settings) -> FastAPI:
     )
     app.state.settings = settings
     app.add_middleware(RouteEndpoint)  # POST /route, ahead of the app's routing
-    app.add_middleware(AccessLog)  # outermost: every request, /route included
+    app.add_middleware(AccessLog)  # every request, /route included
+    if tracing is not None:  # outermost: the span covers the access log and /route too
+        cls, kw = tracing.middleware()
+        app.add_middleware(cls, **kw)
     app.add_exception_handler(RouterError, _router_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)

@@ -234,6 +234,9 @@ async def proxy_request(
         v = header(h)
         if v is not None:
             fwd.append((h, v))
+    if state.trace_headers is not None:  # the router's span, not the client's, is the parent
+        fwd = [(k, v) for k, v in fwd if k not in ("traceparent", "tracestate")]
+        fwd += state.trace_headers()
     state.inflight += 1
     errors: list[str] = []
     attempts = d.order[: 1 + s.retries]

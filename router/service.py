@@ -98,6 +98,8 @@ class RouterState:
         self.clock = clock
         p = settings.proxy
         self.draining = False  # SIGTERM: /ready answers 503 while in-flight requests finish
+        #: the current span's trace headers for the worker, when tracing is on (router.tracing)
+        self.trace_headers: Callable[[], list[tuple[str, str]]] | None = None
         self.upstream = UpstreamPool(  # the proxy's hot path
             connect_s=p.connect_timeout_s,
             read_s=p.read_timeout_s,

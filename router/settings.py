@@ -35,6 +35,7 @@ __all__ = [
     "Settings",
     "SnapshotSettings",
     "SubscriberSettings",
+    "TracingSettings",
     "WorkerConfig",
     "load_settings",
     "parse_worker_spec",
@@ -202,6 +203,25 @@ class SnapshotSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         _check(self.interval_s > 0, "interval_s", "must be > 0")
 
 
+class TracingSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    otlp_endpoint: str | None = None
+    service_name: str = "kvrouter"
+    sample_ratio: float = 1.0
+    batch_delay_s: float = 5.0
+    export_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.otlp_endpoint is not None:
+            _check(
+                self.otlp_endpoint.startswith(("http://", "https://")),
+                "otlp_endpoint",
+                "must be an http:// or https:// URL",
+            )
+        _check(0 <= self.sample_ratio <= 1, "sample_ratio", "must be between 0 and 1")
+        _check(self.batch_delay_s > 0, "batch_delay_s", "must be > 0")
+        _check(self.export_timeout_s > 0, "export_timeout_s", "must be > 0")
+
+
 class Settings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     host: str = "127.0.0.1"
     port: int = 8000
@@ -221,6 +241,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     subscriber: SubscriberSettings = msgspec.field(default_factory=SubscriberSettings)
     snapshot: SnapshotSettings = msgspec.field(default_factory=SnapshotSettings)
     kubernetes: KubernetesSettings = msgspec.field(default_factory=KubernetesSettings)
+    tracing: TracingSettings = msgspec.field(default_factory=TracingSettings)
     workers: list[WorkerConfig] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:

@@ -48,8 +48,8 @@ def _poll(cond: Any, timeout: float, what: str) -> Any:
 
 
 class Vllm:
-    def __init__(self, model: Path, log: Path) -> None:
-        self.model, self.log = model, log
+    def __init__(self, model: Path, log: Path, page: int = PAGE) -> None:
+        self.model, self.log, self.page = model, log, page
         self.port, self.events, self.replay = _port(), _port(), _port()
         self.proc: subprocess.Popen[bytes] | None = None
         self._out: Any = None
@@ -69,7 +69,7 @@ class Vllm:
         self.proc = subprocess.Popen(
             [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
              "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(self.port),
-             "--block-size", str(PAGE), "--max-model-len", "2048", "--dtype", "float32",
+             "--block-size", str(self.page), "--max-model-len", "2048", "--dtype", "float32",
              "--enable-prefix-caching", "--enable-prompt-tokens-details",
              "--kv-events-config", cfg],
             stdout=self._out, stderr=subprocess.STDOUT, env=env,
@@ -250,3 +250,26 @@ def test_snapshot_resume_meets_a_restarted_vllm(fleet, tmp_path) -> None:
     finally:
         os.killpg(second.pid, signal.SIGTERM)
         second.wait(60)
+
+
+def test_page_128_credit_is_whole_pages(tmp_path) -> None:
+    """vLLM's CPU default page (128 tokens, 8 router blocks): the router credits whole pages
+    only, and its prediction equals what vLLM then reports."""
+    vllm = Vllm(make_tiny_llama(tmp_path / "tiny-llama"), tmp_path / "vllm.log", page=128)
+    vllm.start()
+    try:
+        router, url = _router(vllm)
+        try:
+            prompt = words(300, seed=10)  # 300 tokens: 18 router blocks, 2 whole pages (256)
+            complete(url, prompt)
+            _poll(lambda: matched_tokens(url, prompt) > 0, 30, "the stored pages indexed")
+            predicted = matched_tokens(url, prompt)
+            again = complete(url, prompt)
+            assert predicted == cached(again) == 256, (predicted, again["usage"])
+            # a prompt sharing 200 tokens: one whole page (128), not 12 router blocks (192)
+            assert matched_tokens(url, words(200, seed=10) + " x") == 128
+        finally:
+            os.killpg(router.pid, signal.SIGTERM)
+            router.wait(30)
+    finally:
+        vllm.stop(final=True)
