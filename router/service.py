@@ -106,6 +106,7 @@ class RouterState:
             write_s=p.write_timeout_s,
             max_idle_per_origin=p.max_connections,
             max_body_bytes=p.max_response_bytes,
+            ca_file=p.ca_file,
         )
         self.index, seqs = load_index(settings)
         self.index.set_cap(settings.max_index_entries)

@@ -87,6 +87,7 @@ class ProxySettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     write_timeout_s: float = 30.0
     pool_timeout_s: float = 10.0
     max_connections: int = 1000
+    ca_file: str | None = None
 
     def __post_init__(self) -> None:
         _check(0 <= self.retries <= 16, "retries", "must be between 0 and 16")
@@ -94,6 +95,8 @@ class ProxySettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         _check(self.max_body_bytes >= 1024, "max_body_bytes", "must be >= 1024")
         _check(self.max_response_bytes >= 1024, "max_response_bytes", "must be >= 1024")
         _check(self.max_connections >= 1, "max_connections", "must be >= 1")
+        ok = self.ca_file is None or os.path.isfile(self.ca_file)
+        _check(ok, "ca_file", "must be a readable PEM file")
         for k in ("connect_timeout_s", "read_timeout_s", "write_timeout_s", "pool_timeout_s"):
             _check(getattr(self, k) > 0, k, "must be > 0")
 
@@ -211,12 +214,8 @@ class TracingSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     export_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
-        if self.otlp_endpoint is not None:
-            _check(
-                self.otlp_endpoint.startswith(("http://", "https://")),
-                "otlp_endpoint",
-                "must be an http:// or https:// URL",
-            )
+        ok = self.otlp_endpoint is None or self.otlp_endpoint.startswith(("http://", "https://"))
+        _check(ok, "otlp_endpoint", "must be an http:// or https:// URL")
         _check(0 <= self.sample_ratio <= 1, "sample_ratio", "must be between 0 and 1")
         _check(self.batch_delay_s > 0, "batch_delay_s", "must be > 0")
         _check(self.export_timeout_s > 0, "export_timeout_s", "must be > 0")

@@ -21,6 +21,7 @@ informational ``1xx`` heads are skipped, malformed lengths and chunk sizes are r
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import AsyncIterator, Sequence
 
 import aiohttp
@@ -137,12 +138,17 @@ class UpstreamPool:
         write_s: float,
         max_idle_per_origin: int = 64,
         max_body_bytes: int = 64 << 20,
+        ca_file: str | None = None,
     ) -> None:
         self.connect_s = connect_s
         self.read_s = read_s
         self.write_s = write_s  # the head deadline covers sending the (small) request body
         self.max_idle = max_idle_per_origin
         self.max_body_bytes = max_body_bytes
+        # https:// workers are verified against the system's CAs, or only against ca_file's
+        self._tls: ssl.SSLContext | bool = (
+            ssl.create_default_context(cafile=ca_file) if ca_file else True
+        )
         self._session: aiohttp.ClientSession | None = None
 
     def _client(self) -> aiohttp.ClientSession:
@@ -151,7 +157,9 @@ class UpstreamPool:
                 # one exchange per connection: whatever a worker sends past its own framing
                 # (more bytes than its Content-Length, a second response) dies with that
                 # connection and can never be read as the answer to another client's request
-                connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, force_close=True),
+                connector=aiohttp.TCPConnector(
+                    limit=0, limit_per_host=0, force_close=True, ssl=self._tls
+                ),
                 timeout=aiohttp.ClientTimeout(
                     total=None, sock_connect=self.connect_s, sock_read=self.read_s
                 ),

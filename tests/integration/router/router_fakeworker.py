@@ -66,6 +66,7 @@ class ServerHandle:
             timeout_graceful_shutdown=2,
         )
         kw.update(config)
+        self.scheme = "https" if kw.get("ssl_certfile") else "http"
         config = server_config(app, **kw) if router else uvicorn.Config(app, **kw)
         self.server = uvicorn.Server(config)
         self.task: asyncio.Task[None] | None = None
@@ -82,7 +83,7 @@ class ServerHandle:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     async def stop(self) -> None:
         if self.task is None:
@@ -116,8 +117,11 @@ class FakeWorker:
         chunks: int = 4,
         publish_on_request: bool = True,
         replay_mode: str = "answer",
+        tls: tuple[str, str] | None = None,
     ) -> None:
         self.worker_id = worker_id
+        #: (certificate, key) PEM files: the worker serves https
+        self.tls = tls
         self.block_size = block_size
         self.model = model
         self.first_token_delay_s = first_token_delay_s
@@ -161,7 +165,8 @@ class FakeWorker:
 
     async def start(self) -> FakeWorker:
         self._replay_task = asyncio.create_task(self._serve_replay())
-        self.http = await ServerHandle(self.app).start()
+        tls = {} if self.tls is None else {"ssl_certfile": self.tls[0], "ssl_keyfile": self.tls[1]}
+        self.http = await ServerHandle(self.app, **tls).start()
         return self
 
     @property
