@@ -123,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (TraceError, ValueError, ConfigError) as e:
         print(f"kvrouter replay: {e}", file=sys.stderr)
         return 2
-    from kvrouter.replay.report import format_table, plot, row, write_json
+    from kvrouter.replay.report import error_kinds, format_table, plot, row, write_json
 
     ideal = ideal_hit(reqs, args.trace_block)
     capacity = args.workers * args.gpu_blocks * args.block_size
@@ -136,12 +136,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"infinite-cache ideal {ideal:.1%}, one pooled LRU cache of the fleet's size {pooled:.1%}"
     )
     print(format_table(title, table))
+    errors = {r.policy: error_kinds(r) for r in runs if any(o.error for o in r.outcomes)}
+    for policy, kinds in errors.items():
+        for message, n in kinds.items():
+            print(f"  {policy}: {n} x {message}")
     if args.json:
         meta: dict[str, Any] = {
             "args": vars(args),
             "ideal": ideal,
             "pooled_lru": pooled,
             "requests": len(reqs),
+            "errors": errors,
         }
         if args.mode == "virtual":
             meta["wall_s"] = {r.policy: round(r.wall_s, 1) for r in runs}

@@ -153,7 +153,12 @@ async def drive(
         raise ValueError("speedup must be positive")
     outcomes = [LiveOutcome(i) for i in range(len(requests))]
     slots = asyncio.Semaphore(max_inflight)
-    limits = httpx.Limits(max_connections=max_inflight, max_keepalive_connections=max_inflight)
+    # idle connections are dropped well before a server's keep-alive timeout (kvrouter's and
+    # uvicorn's default: 5 s, httpx's own: 5 s too): at equal timeouts a request can be written on
+    # a connection the server is closing, and a POST that lost that race is not retried (ReadError)
+    limits = httpx.Limits(
+        max_connections=max_inflight, max_keepalive_connections=max_inflight, keepalive_expiry=2.0
+    )
     timeout = httpx.Timeout(timeout_s, connect=30.0)
     loop = asyncio.get_running_loop()
 

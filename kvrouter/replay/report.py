@@ -19,7 +19,7 @@ from typing import Any, Protocol, TextIO
 from kvrouter.replay.fleet import EngineCounters
 from kvrouter.replay.live_client import LiveOutcome
 
-__all__ = ["Progress", "Run", "format_table", "plot", "row", "write_json"]
+__all__ = ["Progress", "Run", "error_kinds", "format_table", "plot", "row", "write_json"]
 
 
 class Run(Protocol):
@@ -59,6 +59,16 @@ def row(run: Run, ideal: float) -> dict[str, Any]:
         out["cpu_s/1k"] = None if cpu is None else round(cpu / len(run.outcomes) * 1000, 1)
         out["late_max_s"] = round(max((o.late_s for o in run.outcomes), default=0.0), 2)
     return out
+
+
+def error_kinds(run: Run, limit: int = 5) -> dict[str, int]:
+    """The most frequent failure messages of a run and how often each came (a failed request
+    counts in ``errors``; this says what it was)."""
+    counts: dict[str, int] = {}
+    for o in run.outcomes:
+        if o.error is not None:
+            counts[o.error[:160]] = counts.get(o.error[:160], 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1])[:limit])
 
 
 def format_table(title: str, table: Sequence[dict[str, Any]]) -> str:

@@ -182,3 +182,18 @@ def test_pooled_lru_forgets_what_it_had_no_room_for() -> None:
     assert pooled_lru_hit(reqs, TB, 6 * TB) == pytest.approx(128 / total) == ideal_hit(reqs, TB)
     # room for 4 blocks: [1, 2] were evicted by [3, 4] and the answers
     assert pooled_lru_hit(reqs, TB, 4 * TB) == 0.0
+
+
+def test_error_kinds_say_what_failed_most_often_first() -> None:
+    from types import SimpleNamespace
+
+    from kvrouter.replay.live_client import LiveOutcome
+    from kvrouter.replay.report import error_kinds
+
+    outs = [LiveOutcome(i) for i in range(6)]
+    outs[1].error = "HTTP 504: worker timed out"
+    outs[2].error = "HTTP 502: worker failed"
+    outs[3].error = "HTTP 504: worker timed out"
+    run = SimpleNamespace(policy="kvrouter", outcomes=outs, engines=[])
+    assert error_kinds(run) == {"HTTP 504: worker timed out": 2, "HTTP 502: worker failed": 1}
+    assert list(error_kinds(run, limit=1)) == ["HTTP 504: worker timed out"]
