@@ -32,6 +32,7 @@ import msgspec
 from engine.engine import LLMEngine
 from engine.runner.sim import SimRunner
 from indexer.events import Event
+from kvrouter.replay.trace import leading_run
 from router.service import RouterState
 from router.settings import Settings, WorkerConfig
 
@@ -172,7 +173,7 @@ class CacheAwarePolicy(Policy):
         if hi - lo > self.BALANCE_ABS and hi > lo * self.BALANCE_REL:
             w = load.index(lo)
         else:
-            matched = [_leading(tree, hashes) for tree in self.trees]
+            matched = [leading_run(hashes, tree) for tree in self.trees]
             best = max(range(len(matched)), key=lambda i: (matched[i], -load[i]))
             if matched[best] * self.engines[0].bm.block_size > self.CACHE_THRESHOLD * len(tokens):
                 w = best
@@ -180,15 +181,6 @@ class CacheAwarePolicy(Policy):
                 w = min(range(len(self.trees)), key=lambda i: len(self.trees[i]))
         self.trees[w].update(hashes)
         return w, None
-
-
-def _leading(tree: set[int], hashes: Sequence[int]) -> int:
-    n = 0
-    for h in hashes:
-        if h not in tree:
-            break
-        n += 1
-    return n
 
 
 class OraclePolicy(Policy):

@@ -22,7 +22,7 @@ import random
 import string
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +31,7 @@ __all__ = [
     "TraceError",
     "TraceRequest",
     "block_text",
+    "leading_run",
     "block_tokens",
     "ideal_hit",
     "load_mooncake",
@@ -170,18 +171,23 @@ def prompt_text(r: TraceRequest, size: int) -> str:
     return "".join(block_text(b, size) for b in r.hash_ids)[: r.input_length]
 
 
+def leading_run(ids: Iterable[int], held: Container[int]) -> int:
+    """How many of ``ids``, from the first, ``held`` contains (chained ids: a cached prefix)."""
+    run = 0
+    for b in ids:
+        if b not in held:
+            break
+        run += 1
+    return run
+
+
 def ideal_hit(requests: Iterable[TraceRequest], trace_block: int) -> float:
     """Σ reusable / Σ prompt tokens with an infinite cache and one worker: each request's leading
     run of blocks some earlier request held (ids are chained: equal id, equal prefix)."""
     seen: set[int] = set()
     hit = total = 0
     for r in requests:
-        run = 0
-        for b in r.hash_ids:
-            if b not in seen:
-                break
-            run += 1
-        hit += min(run * trace_block, r.input_length)
+        hit += min(leading_run(r.hash_ids, seen) * trace_block, r.input_length)
         total += r.input_length
         seen.update(r.hash_ids)
     return hit / total if total else 0.0
@@ -189,20 +195,15 @@ def ideal_hit(requests: Iterable[TraceRequest], trace_block: int) -> float:
 
 def pooled_lru_hit(requests: Iterable[TraceRequest], trace_block: int, capacity: int) -> float:
     """The hit rate of one LRU cache of ``capacity`` tokens — the whole fleet's, shared with no
-    copy twice — in trace blocks, answers taking room as the engines cache them too. Engines
-    evict LRU, so no placement over them does much better: what keeps a policy under the ideal
-    that it cannot help."""
+    copy twice — in trace blocks, answers taking room as the engines cache them too. A reference,
+    not a bound: engines evict LRU, which is what keeps every policy well under the ideal, but a
+    placement that partitions the content can beat one shared LRU by a little."""
     lru: OrderedDict[int, None] = OrderedDict()
     slots = max(1, capacity // trace_block)
     fresh = -1  # answer blocks: ids no prompt uses
     hit = total = 0
     for r in requests:
-        run = 0
-        for b in r.hash_ids:
-            if b not in lru:
-                break
-            run += 1
-        hit += min(run * trace_block, r.input_length)
+        hit += min(leading_run(r.hash_ids, lru) * trace_block, r.input_length)
         total += r.input_length
         for b in r.hash_ids:
             lru[b] = None
