@@ -25,7 +25,6 @@ __all__ = [
     "HFTokenizer",
     "Tokenizer",
     "load_tokenizer",
-    "message_text",
     "render_chat",
 ]
 
@@ -34,13 +33,6 @@ REPLACEMENT = "\ufffd"
 
 class ChatTemplateError(ValueError):
     """Messages the template cannot render (bad role/content shape, template failure)."""
-
-
-def message_text(content: Any) -> str:
-    try:
-        return byte_tokens.message_text(content)
-    except byte_tokens.ByteChatError as e:
-        raise ChatTemplateError(str(e)) from e
 
 
 def render_chat(messages: Sequence[Mapping[str, Any]]) -> str:

@@ -67,7 +67,6 @@ def openapi_document(version: str) -> dict[str, Any]:
     )
     client: list[dict[str, list[str]]] = [{"apiKey": []}, {}]  # a key only with api_keys set
     admin: list[dict[str, list[str]]] = [{"adminKey": []}]
-    openai = "OpenAI-compatible; the body is forwarded as sent, streamed or not"
     paths: dict[str, Any] = {
         "/route": {
             "post": {
@@ -90,24 +89,8 @@ def openapi_document(version: str) -> dict[str, Any]:
                 "security": client,
             }
         },
-        "/v1/completions": {
-            "post": {
-                "summary": "Completions, proxied to the chosen worker",
-                "description": openai,
-                "requestBody": _body("CompletionBody"),
-                "responses": {"200": _answer("the worker's answer"), **_PROXY_ERRORS},
-                "security": client,
-            }
-        },
-        "/v1/chat/completions": {
-            "post": {
-                "summary": "Chat completions, proxied to the chosen worker",
-                "description": openai,
-                "requestBody": _body("ChatBody"),
-                "responses": {"200": _answer("the worker's answer"), **_PROXY_ERRORS},
-                "security": client,
-            }
-        },
+        "/v1/completions": _proxied("Completions", "CompletionBody", client),
+        "/v1/chat/completions": _proxied("Chat completions", "ChatBody", client),
         "/v1/models": {"get": {"summary": "Models served", "responses": {"200": _answer("list")}}},
         "/workers": {
             "get": {
@@ -150,6 +133,19 @@ def openapi_document(version: str) -> dict[str, Any]:
                 "adminKey": {"type": "http", "scheme": "bearer"},
             },
         },
+    }
+
+
+def _proxied(what: str, body: str, security: list[dict[str, list[str]]]) -> dict[str, Any]:
+    """An OpenAI endpoint the router places and forwards."""
+    return {
+        "post": {
+            "summary": f"{what}, proxied to the chosen worker",
+            "description": "OpenAI-compatible; the body is forwarded as sent, streamed or not",
+            "requestBody": _body(body),
+            "responses": {"200": _answer("the worker's answer"), **_PROXY_ERRORS},
+            "security": security,
+        }
     }
 
 

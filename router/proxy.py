@@ -55,7 +55,8 @@ __all__ = ["AsgiProxy", "Responder", "proxy_request"]
 
 log = logging.getLogger("kvrouter.proxy")
 
-_FORWARD_HEADERS = ("authorization", "accept", "x-request-id", "traceparent", "tracestate")
+_TRACE_HEADERS = ("traceparent", "tracestate")
+_FORWARD_HEADERS = ("authorization", "accept", "x-request-id", *_TRACE_HEADERS)
 _SAFE_VALUE = re.compile(r"[\x20-\x7e]{1,256}")
 Headers = list[tuple[bytes, bytes]]
 
@@ -228,14 +229,14 @@ async def proxy_request(
         raise NoHealthyWorker("no healthy worker for this request")
     path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
     fwd = [("Content-Type", "application/json")]
+    traced = state.trace_headers is not None
     for h in _FORWARD_HEADERS:
-        if keys and h == "authorization":
+        if (keys and h == "authorization") or (traced and h in _TRACE_HEADERS):
             continue
         v = header(h)
         if v is not None:
             fwd.append((h, v))
     if state.trace_headers is not None:  # the router's span, not the client's, is the parent
-        fwd = [(k, v) for k, v in fwd if k not in ("traceparent", "tracestate")]
         fwd += state.trace_headers()
     state.inflight += 1
     errors: list[str] = []

@@ -66,8 +66,8 @@ _M64 = (1 << 64) - 1
 #: (docs/replay.md).
 DEFAULT_OVERLAP_WEIGHT = 16.0
 
-#: A block the request reuses takes this many blocks of prefill off its cost (see the module
-#: docstring). ``kvrouter replay``, virtual time, 8 × 1M-token workers, hit rate at 1 / 3 / 8 / 12:
+#: A block of the request that another worker holds and this one lacks costs this many blocks of
+#: prefill (see the module docstring). ``kvrouter replay``, virtual time, 8 × 1M-token workers, hit rate at 1 / 3 / 8 / 12:
 #: conversation [0,2000) 23.2 / 24.9 / 25.2 / 25.4 %, synthetic [0,3000) 36.0 / 37.7 / 37.7 / 37.7 %
 #: with TTFT p99 rising past 8 (2,041 / 2,065 / 2,140 / 2,170 ms). Held out at 8: conversation
 #: [4000,6000) 21.0 -> 23.7 %, synthetic [3000,3993) 66.9 -> 68.8 %, TTFT mean within 1 %.

@@ -67,7 +67,8 @@ def error_kinds(run: Run, limit: int = 5) -> dict[str, int]:
     counts: dict[str, int] = {}
     for o in run.outcomes:
         if o.error is not None:
-            counts[o.error[:160]] = counts.get(o.error[:160], 0) + 1
+            key = o.error[:160]
+            counts[key] = counts.get(key, 0) + 1
     return dict(sorted(counts.items(), key=lambda kv: -kv[1])[:limit])
 
 
