@@ -48,8 +48,8 @@ def _poll(cond: Any, timeout: float, what: str) -> Any:
 
 
 class Vllm:
-    def __init__(self, model: Path, log: Path, page: int = PAGE) -> None:
-        self.model, self.log, self.page = model, log, page
+    def __init__(self, model: Path, log: Path, page: int = PAGE, *args: str) -> None:
+        self.model, self.log, self.page, self.args = model, log, page, args
         self.port, self.events, self.replay = _port(), _port(), _port()
         self.proc: subprocess.Popen[bytes] | None = None
         self._out: Any = None
@@ -71,7 +71,7 @@ class Vllm:
              "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(self.port),
              "--block-size", str(self.page), "--max-model-len", "2048", "--dtype", "float32",
              "--enable-prefix-caching", "--enable-prompt-tokens-details",
-             "--kv-events-config", cfg],
+             "--kv-events-config", cfg, *self.args],
             stdout=self._out, stderr=subprocess.STDOUT, env=env,
             start_new_session=True,
         )  # fmt: skip
@@ -272,4 +272,72 @@ def test_page_128_credit_is_whole_pages(tmp_path) -> None:
             os.killpg(router.pid, signal.SIGTERM)
             router.wait(30)
     finally:
+        vllm.stop(final=True)
+
+
+def test_duplicate_store_outlives_one_removal(tmp_path) -> None:
+    """vLLM stores one hash twice when it recomputes a fully cached prompt's last page (a prompt
+    never hits its own last token), then evicts the two physical blocks one at a time. After the
+    first ``BlockRemoved`` vLLM still holds the page, and so must the router. A cache of 16 pages
+    makes the eviction reachable; a second subscriber on vLLM's publisher watches the events."""
+    import zmq
+
+    from indexer.events import BlockRemoved, BlockStored
+    from indexer.wire.decode import decode_message
+
+    vllm = Vllm(
+        make_tiny_llama(tmp_path / "tiny-llama"), tmp_path / "vllm.log", PAGE,
+        "--num-gpu-blocks-override", "16", "--max-model-len", "256",
+    )  # fmt: skip
+    vllm.start()
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{vllm.events}")
+    stored: dict[Any, int] = {}
+    removed: dict[Any, int] = {}
+
+    def drain() -> bool:
+        got = False
+        while sub.poll(0):
+            got = True
+            for ev in decode_message(sub.recv_multipart()).events:
+                seen = stored if isinstance(ev, BlockStored) else removed
+                if isinstance(ev, BlockStored | BlockRemoved):
+                    for h in ev.block_hashes:
+                        seen[h] = seen.get(h, 0) + 1
+        return got
+
+    try:
+        router, url = _router(vllm)
+        try:
+            # Requests go to vLLM directly: the router learns of them from events only, with no
+            # prediction of its own to cover a block it dropped. The subscription is live once
+            # a request's events arrive on it.
+            _poll(lambda: (complete(vllm.url, words(40, seed=20)), drain())[1], 30, "events on SUB")
+            prompt = words(96, seed=21)  # exactly 3 pages
+            first = complete(vllm.url, prompt)
+            assert first["usage"]["prompt_tokens"] == 96
+            _poll(lambda: (drain(), matched_tokens(url, prompt) == 96)[1], 30, "pages indexed")
+            assert cached(complete(vllm.url, prompt)) == 64  # the last page is recomputed...
+            _poll(lambda: (drain(), 2 in stored.values())[1], 30, "the duplicate BlockStored")
+            (last,) = [h for h, n in stored.items() if n == 2]  # ...and stored a second time
+            # fill the cache until vLLM evicts one of the two copies
+            # (one filler at a time, each waited for: a second filler could evict the other copy)
+            for i in range(48):
+                before = len(stored)
+                complete(vllm.url, words(40, seed=30 + i))  # one new full page: one eviction
+                _poll(lambda b=before: (drain(), len(stored) > b)[1], 30, "the filler's page")
+                if removed.get(last):
+                    break
+            assert removed.get(last) == 1, (stored, removed)
+            longer = words(116, seed=21)  # the prompt plus 20 tokens: all 3 pages reusable
+            _poll(lambda: (drain(), matched_tokens(url, longer) == 96)[1], 10, "router agrees")
+            assert cached(complete(vllm.url, longer)) == 96  # vLLM still held the page
+        finally:
+            os.killpg(router.pid, signal.SIGTERM)
+            router.wait(30)
+    finally:
+        sub.close(0)
+        ctx.term()
         vllm.stop(final=True)
