@@ -173,7 +173,7 @@ class RouterState:
     async def _with_event_sources(self, cfg: WorkerConfig) -> WorkerConfig:
         """``cfg`` with the event endpoints the worker publishes on, from its
         ``GET /kv_event_sources`` (vLLM): a configured URL is the only one called."""
-        from router.discovery import PodNotUsable, sources_to_endpoints
+        from router.pods import PodNotUsable, sources_to_endpoints
 
         what = f"worker {cfg.id!r}: GET {cfg.base_url}/kv_event_sources"
         try:

@@ -19,7 +19,7 @@ import msgspec
 import pytest
 import yaml
 
-from router.discovery import pod_ready, worker_for_pod
+from router.pods import pod_ready, worker_for_pod
 from router.settings import load_settings
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -1,4 +1,4 @@
-"""``router.discovery``'s pure parts: which pods are ready, and the worker a pod stands for
+"""``router.pods``: which pods are ready, and the worker a pod stands for
 (annotations, defaults, vLLM's ``/kv_event_sources`` answer), with every bad input refused by
 name."""
 
@@ -11,7 +11,7 @@ import msgspec
 import pytest
 from lightkube.resources.core_v1 import Pod
 
-from router.discovery import PodNotUsable, _Source, pod_ready, worker_for_pod
+from router.pods import EventSource, PodNotUsable, pod_ready, worker_for_pod
 from router.settings import DiscoverySettings
 
 S = DiscoverySettings(enabled=True)
@@ -38,8 +38,8 @@ def pod(
     return msgspec.json.decode(json.dumps(d).encode(), type=Pod)
 
 
-def src(rank: int, ep: str, replay: str | None = None) -> _Source:
-    return _Source(endpoint=ep, data_parallel_rank=rank, replay_endpoint=replay)
+def src(rank: int, ep: str, replay: str | None = None) -> EventSource:
+    return EventSource(endpoint=ep, data_parallel_rank=rank, replay_endpoint=replay)
 
 
 def test_ready_means_running_ready_addressed_and_not_terminating() -> None:
@@ -112,7 +112,7 @@ def test_kv_event_sources_wildcards_take_the_pod_ip_and_ranks_count() -> None:
         ([src(0, "tcp://*:port")], "not tcp://host:port"),
     ],
 )
-def test_unusable_kv_event_sources_are_refused(sources: list[_Source], why: str) -> None:
+def test_unusable_kv_event_sources_are_refused(sources: list[EventSource], why: str) -> None:
     with pytest.raises(PodNotUsable, match=why):
         worker_for_pod(pod(), S, sources)
 
