@@ -20,6 +20,7 @@ from typing import Any
 import uvicorn
 
 from router.errors import ConfigError
+from router.http import RouterServer
 from router.settings import Settings, load_settings
 
 __all__ = ["build_parser", "main", "settings_from_args"]
@@ -64,10 +65,11 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return load_settings(args.config, overrides=overrides, worker_specs=args.worker)
 
 
-class _Server(uvicorn.Server):
-    """uvicorn's server, plus the router's drain: the first SIGTERM turns ``/ready`` to 503 at
-    once and keeps the listener serving until no proxied request is in flight, at most
-    ``server.drain_grace_s``; then uvicorn's own graceful shutdown. A second signal stops now."""
+class _Server(RouterServer):
+    """The router's server (uvicorn's, with the head deadline), plus the router's drain: the
+    first SIGTERM turns ``/ready`` to 503 at once and keeps the listener serving until no proxied
+    request is in flight, at most ``server.drain_grace_s``; then uvicorn's own graceful
+    shutdown. A second signal stops now."""
 
     def __init__(self, config: uvicorn.Config, app: Any, grace_s: float) -> None:
         super().__init__(config)

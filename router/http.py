@@ -12,17 +12,28 @@ What the router asks of uvicorn (``server:`` in the config):
 - ``keep_alive_timeout_s`` → ``timeout_keep_alive``: an idle keep-alive connection is closed;
 - ``max_header_bytes`` → ``h11_max_incomplete_event_size`` (with ``http: h11``);
 - ``body_timeout_s``: enforced by :func:`router.api.read_body` around the body it reads;
+- ``head_timeout_s``: uvicorn has no head read timeout (a client may send one header byte every
+  few seconds for ever, and any byte cancels its keep-alive timer), so :class:`RouterServer`
+  enforces one: a connection with no request in progress — from accept, or from the end of its
+  last answer, to a complete request head — for longer than this is closed. It runs on uvicorn's
+  own 100 ms tick (``Server.on_tick``) and reads each connection's current request cycle; where a
+  future uvicorn no longer exposes one, the deadline is off and says so once in the log (the
+  slowloris test in ``tests/integration/router/test_router_edge.py`` fails first);
 - ``drain_grace_s`` → ``timeout_graceful_shutdown``: after SIGTERM ``/ready`` answers 503 at once
   and in-flight requests (streams included) get this long to finish.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 import uvicorn
 
-__all__ = ["server_config"]
+__all__ = ["RouterServer", "server_config"]
+
+log = logging.getLogger("kvrouter.http")
 
 
 def server_config(app: Any, **kwargs: Any) -> uvicorn.Config:
@@ -37,3 +48,47 @@ def server_config(app: Any, **kwargs: Any) -> uvicorn.Config:
     kwargs.setdefault("h11_max_incomplete_event_size", s.max_header_bytes)
     kwargs.setdefault("timeout_graceful_shutdown", s.drain_grace_s)
     return uvicorn.Config(app, **kwargs)
+
+
+class RouterServer(uvicorn.Server):
+    """uvicorn's server with the router's head deadline (``server.head_timeout_s``)."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        app: Any = config.app  # a router app (router.app.create_app), as server_config takes
+        self._head_timeout_s: float = app.state.settings.server.head_timeout_s
+        self._app_state = app.state
+        #: connection -> since when it has had no request in progress (first seen so)
+        self._waiting: dict[Any, float] = {}
+        self._blind = False
+
+    async def on_tick(self, counter: int) -> bool:
+        self.enforce_head_deadline(time.monotonic())
+        return await super().on_tick(counter)
+
+    def enforce_head_deadline(self, now: float) -> int:
+        """Close the connections that have waited for a request head past the deadline; returns
+        how many were closed."""
+        waiting: dict[Any, float] = {}
+        closed = 0
+        for conn in self.server_state.connections:
+            if not hasattr(conn, "cycle") or not hasattr(conn, "transport"):
+                if not self._blind:
+                    self._blind = True
+                    log.warning("head_timeout_s is not enforced: uvicorn's protocol changed")
+                return 0
+            cycle = conn.cycle
+            if cycle is not None and not cycle.response_complete:
+                continue  # a request in progress: its body and its answer have their own limits
+            since = self._waiting.get(conn, now)
+            if now - since < self._head_timeout_s:
+                waiting[conn] = since
+            elif not conn.transport.is_closing():
+                conn.transport.close()
+                closed += 1
+        self._waiting = waiting
+        if closed:
+            kv = getattr(self._app_state, "kv", None)
+            if kv is not None:
+                kv.metrics.closed_connections.labels("head_timeout").inc(closed)
+        return closed

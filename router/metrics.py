@@ -273,6 +273,14 @@ class RouterMetrics:
             ["status"],
             registry=r,
         )
+        self.closed_connections = _Family(
+            "counter",
+            "kvrouter_http_connections_closed",
+            "client connections the router closed itself (head_timeout: no complete request head "
+            "within server.head_timeout_s)",
+            ["reason"],
+            registry=r,
+        )
         self.ttfb = _Family(
             "histogram",
             "kvrouter_time_to_first_byte_seconds",

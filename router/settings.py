@@ -105,6 +105,7 @@ class ServerSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     http: str = "h11"
     max_connections: int = 2048
     keep_alive_timeout_s: float = 5.0
+    head_timeout_s: float = 10.0
     max_header_bytes: int = 65536
     body_timeout_s: float = 30.0
     drain_grace_s: float = 30.0
@@ -114,7 +115,7 @@ class ServerSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         _check(self.http in ("h11", "httptools"), "http", "must be h11 or httptools")
         _check(self.max_connections >= 1, "max_connections", "must be >= 1")
         _check(self.max_header_bytes >= 1024, "max_header_bytes", "must be >= 1024")
-        for k in ("keep_alive_timeout_s", "body_timeout_s"):
+        for k in ("keep_alive_timeout_s", "head_timeout_s", "body_timeout_s"):
             _check(getattr(self, k) > 0, k, "must be > 0")
         _check(self.drain_grace_s >= 0, "drain_grace_s", "must be >= 0")
 

@@ -36,7 +36,7 @@ from indexer.wire import (
     encode_replay_end,
     encode_replay_reply,
 )
-from router.http import server_config
+from router.http import RouterServer, server_config
 from router.tokenize import render_byte_chat
 
 LOCAL = "tcp://127.0.0.1"
@@ -68,7 +68,7 @@ class ServerHandle:
         kw.update(config)
         self.scheme = "https" if kw.get("ssl_certfile") else "http"
         config = server_config(app, **kw) if router else uvicorn.Config(app, **kw)
-        self.server = uvicorn.Server(config)
+        self.server = RouterServer(config) if router else uvicorn.Server(config)
         self.task: asyncio.Task[None] | None = None
         self.port = 0
 

@@ -5,6 +5,7 @@ order, ``Connection: close`` and HTTP/1.0 close, odd bodies get the documented 4
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import Any
 
@@ -242,5 +243,44 @@ async def test_keep_alive_closes_only_after_a_whole_idle_timeout():
         assert await c.closed_by_server()
         assert loop.time() - idle_from >= 0.4 - 0.15 - 0.05  # (0.15 s of it already idle)
         c.close()
+    finally:
+        await server.stop()
+
+
+async def test_a_head_that_never_finishes_is_closed_at_the_head_deadline():
+    """``server.head_timeout_s`` (uvicorn has no head read timeout): a client trickling one
+    header byte every 0.1 s and one that sends nothing are closed at the deadline; a request in
+    progress (its body still coming) is not: it gets its own body timeout's 408."""
+    overrides = {"workers": [], "server": {"head_timeout_s": 0.8, "body_timeout_s": 2.5}}
+    app = create_app(load_settings(environ={}, overrides=overrides))
+    server = await ServerHandle(app, router=True).start()
+    try:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        trickle_r, trickle_w = await asyncio.open_connection("127.0.0.1", server.port)
+        silent_r, silent_w = await asyncio.open_connection("127.0.0.1", server.port)
+        body_r, body_w = await asyncio.open_connection("127.0.0.1", server.port)
+        body_w.write(b'POST /route HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"tok')
+        trickle_w.write(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+
+        async def drip() -> None:
+            with contextlib.suppress(ConnectionError):
+                while True:
+                    trickle_w.write(b"X")
+                    await trickle_w.drain()
+                    await asyncio.sleep(0.1)  # the hostile client's pace, not a wait for state
+
+        dripper = asyncio.create_task(drip())
+        assert await asyncio.wait_for(trickle_r.read(), 10) == b""
+        assert await asyncio.wait_for(silent_r.read(), 10) == b""
+        assert loop.time() - start >= 0.8
+        dripper.cancel()
+        head = await asyncio.wait_for(body_r.readuntil(b"\r\n\r\n"), 10)
+        assert head.startswith(b"HTTP/1.1 408 "), head
+        for w in (trickle_w, silent_w, body_w):
+            w.close()
+        async with httpx.AsyncClient(trust_env=False) as http:
+            text = (await http.get(server.url + "/metrics")).text
+        assert 'kvrouter_http_connections_closed_total{reason="head_timeout"} 2.0' in text
     finally:
         await server.stop()
