@@ -10,19 +10,15 @@ A routed request counts on its worker from the moment it is placed:
 
 ``shared(key, hashes)`` tells how many leading blocks of a new request are already active (and
 being prefilled) on a worker: the scorer takes those off the load the request competes with.
-Accounted ``/route`` calls (``account: true``) hold a ticket in :class:`RouteAccounts` until
-released or expired.
+Tickets are taken and closed by one owner, :class:`router.flight.Flight`.
 """
 
 from __future__ import annotations
 
 import itertools
-import secrets
-import time
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-__all__ = ["LoadTracker", "RouteAccounts", "Ticket", "WorkerLoad"]
+__all__ = ["LoadTracker", "Ticket", "WorkerLoad"]
 
 WorkerKey = tuple[str, int]
 
@@ -159,56 +155,3 @@ class LoadTracker:
     def drop_worker(self, worker_id: str) -> None:
         for k in [k for k in self._loads if k[0] == worker_id]:
             del self._loads[k]
-
-
-class RouteAccounts:
-    """``/route`` calls with ``account: true``: ``route_id`` → ticket, until release or TTL."""
-
-    def __init__(
-        self,
-        tracker: LoadTracker,
-        ttl_s: float,
-        max_entries: int,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self._tracker = tracker
-        self.ttl_s = ttl_s
-        self.max_entries = max_entries
-        self._clock = clock
-        self._routes: OrderedDict[str, tuple[float, Ticket]] = OrderedDict()
-        self.expired = 0
-
-    def __len__(self) -> int:
-        return len(self._routes)
-
-    def add(self, t: Ticket) -> str:
-        self.expire()
-        while len(self._routes) >= self.max_entries:
-            _, (_, old) = self._routes.popitem(last=False)
-            self._tracker.finish(old)
-            self.expired += 1
-        rid = secrets.token_hex(12)
-        self._routes[rid] = (self._clock() + self.ttl_s, t)
-        return rid
-
-    def release(self, route_id: str) -> bool:
-        entry = self._routes.pop(route_id, None)
-        if entry is None:
-            return False
-        self._tracker.finish(entry[1])
-        return True
-
-    def expire(self) -> None:
-        now = self._clock()
-        routes = self._routes
-        while routes:
-            rid, (exp, t) = next(iter(routes.items()))
-            if exp > now:
-                break
-            del routes[rid]
-            self._tracker.finish(t)
-            self.expired += 1
-
-    def drop_worker(self, worker_id: str) -> None:
-        for rid in [r for r, (_, t) in self._routes.items() if t.key[0] == worker_id]:
-            del self._routes[rid]

@@ -331,6 +331,14 @@ class RouterMetrics:
             "/route placements accounted and not yet released",
             registry=r,
         )
+        self.route_accounts_ended = _Family(
+            "counter",
+            "kvrouter_route_accounts_ended",
+            "accounted /route placements ended, by how: released, expired (TTL), evicted "
+            "(over route.max_accounted), worker_removed",
+            ["reason"],
+            registry=r,
+        )
         self.tokenize_latency = _Family(
             "histogram",
             "kvrouter_tokenize_seconds",

@@ -31,6 +31,7 @@ from router.errors import (
     error_json,
     require_bearer,
 )
+from router.flight import Flight
 from router.scoring import tier_breakdown
 from router.service import RouterState
 
@@ -75,7 +76,7 @@ def _answer(
     route_id = None
     m = state.metrics
     if req.account:
-        route_id = state.accounts.add(state.commit(d, best, kind="route_account"))
+        route_id = state.accounts.add(Flight(state, d, best, "route_account", t0=t0))
     else:
         m.child(m.route_decisions, c.key[0], "route").inc()
     breakdowns: dict[int, dict[str, int]] = {}

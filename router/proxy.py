@@ -26,7 +26,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import Receive, Scope, Send
 
@@ -48,7 +47,8 @@ from router.errors import (
     require_bearer,
 )
 from router.errors import UpstreamError as BadGateway
-from router.service import Decision, RouterState
+from router.flight import Flight, cached_tokens_of
+from router.service import RouterState
 from router.upstream import ConnectError, ReadTimeout, UpstreamError, UpstreamResponse
 
 __all__ = ["AsgiProxy", "Responder", "proxy_request"]
@@ -79,95 +79,6 @@ class Responder:
 
     def abort(self) -> None:
         raise NotImplementedError
-
-
-class _Usage(msgspec.Struct):
-    class _Details(msgspec.Struct):
-        cached_tokens: int | None = None
-
-    prompt_tokens_details: _Details | None = None
-
-
-class _WithUsage(msgspec.Struct):
-    usage: _Usage | None = None
-
-
-_decode_usage = msgspec.json.Decoder(_WithUsage).decode
-
-
-def cached_tokens_of(payload: bytes) -> int | None:
-    try:
-        u = _decode_usage(payload).usage
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None
-    if u is None or u.prompt_tokens_details is None:
-        return None
-    return u.prompt_tokens_details.cached_tokens
-
-
-class _Flight:
-    """One attempt on one worker: its accounting ticket and metrics, closed exactly once."""
-
-    __slots__ = (
-        "cached",
-        "cand",
-        "endpoint",
-        "inflight",
-        "predicted_tokens",
-        "state",
-        "t0",
-        "ticket",
-        "usage_tail",
-        "worker",
-    )
-
-    def __init__(self, state: RouterState, d: Decision, i: int, endpoint: str, t0: float) -> None:
-        self.state = state
-        self.cand = d.candidates[i]
-        self.worker = self.cand.key[0]
-        self.endpoint = endpoint
-        self.t0 = t0
-        self.ticket = state.commit(d, i, kind="proxy")
-        # engines (vLLM, the bundled one) always compute at least the last prompt token, so a
-        # prompt of exactly k blocks reuses at most k - 1 of them
-        bs = d.block_size
-        self.predicted_tokens = min(self.cand.matched_blocks, max(0, d.tokens - 1) // bs) * bs
-        self.usage_tail = b""
-        self.cached: int | None = None
-        m = state.metrics
-        self.inflight = m.child(m.inflight, self.worker)
-        self.inflight.inc()
-
-    def first_byte(self) -> None:
-        if self.ticket.state == 0:
-            self.state.load.first_token(self.ticket)
-            m = self.state.metrics
-            m.child(m.ttfb, self.worker).observe(time.perf_counter() - self.t0)
-
-    def scan(self, chunk: bytes) -> None:
-        """Find the usage chunk of an SSE stream (lines may straddle network chunks)."""
-        if not self.usage_tail and b"cached_tokens" not in chunk:
-            if b"\n" not in chunk[-1:]:
-                self.usage_tail = chunk[chunk.rfind(b"\n") + 1 :][-4096:]
-            return
-        buf = self.usage_tail + chunk
-        lines = buf.split(b"\n")
-        self.usage_tail = lines.pop()[-65536:]
-        for line in lines:
-            if line.startswith(b"data:") and b"cached_tokens" in line:
-                v = cached_tokens_of(line[5:].strip())
-                if v is not None:
-                    self.cached = v
-
-    def done(self, status: str) -> None:
-        st = self.state
-        if self.ticket.state == 2:
-            return
-        st.load.finish(self.ticket)
-        self.inflight.dec()
-        st.metrics.child(st.metrics.proxied, self.worker, self.endpoint, status).inc()
-        if self.cached is not None:
-            st.metrics.observe_cached(self.worker, self.predicted_tokens, self.cached)
 
 
 async def _tokens(state: RouterState, endpoint: str, body: bytes) -> tuple[Any, list[int], bool]:
@@ -248,7 +159,7 @@ async def proxy_request(
             headers = fwd
             if ws.config.dp_ranks > 1:
                 headers = [*fwd, ("X-Data-Parallel-Rank", str(cand.key[1]))]
-            flight = _Flight(state, d, i, endpoint, t0)
+            flight = Flight(state, d, i, "proxy", endpoint=endpoint, t0=t0)
             try:
                 resp, content = await _exchange(state, ws.url, path, headers, body, stream=stream)
             except asyncio.CancelledError:
@@ -297,9 +208,7 @@ def _content_type(upstream: str | None, content: bytes | None) -> bytes:
     return b"text/event-stream" if content is None else b"application/json"
 
 
-async def _stream(
-    resp: UpstreamResponse, flight: _Flight, out: Responder, headers: Headers
-) -> None:
+async def _stream(resp: UpstreamResponse, flight: Flight, out: Responder, headers: Headers) -> None:
     status = str(resp.status_code)
     try:
         await out.start(resp.status_code, headers)

@@ -28,7 +28,8 @@ from indexer.index import IndexError_, PrefixIndex, WorkerKey, WorkerMatch
 from indexer.subscriber import Subscriber, WorkerEndpoint
 from router.api import JsonTokens
 from router.errors import BadRequest, Conflict, NoHealthyWorker, NotFound
-from router.load import LoadTracker, RouteAccounts, Ticket
+from router.flight import RouteAccounts
+from router.load import LoadTracker, Ticket
 from router.metrics import RouterMetrics, StateCollector, WorkerSample, register_process_metrics
 from router.predict import PredictedBlocks
 from router.registry import Registry, WorkerState
@@ -131,7 +132,7 @@ class RouterState:
         self.registry = Registry(settings.health, scrape_metrics=sc.scrapes_metrics, clock=clock)
         self.load = LoadTracker()
         self.accounts = RouteAccounts(
-            self.load, settings.route.account_ttl_s, settings.route.max_accounted, clock
+            settings.route.account_ttl_s, settings.route.max_accounted, clock
         )
         self.predicted = PredictedBlocks(
             sc.predicted_ttl_s, max_blocks=sc.predicted_max_blocks, clock=clock

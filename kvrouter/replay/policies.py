@@ -33,6 +33,7 @@ from engine.engine import LLMEngine
 from engine.runner.sim import SimRunner
 from indexer.events import Event
 from kvrouter.replay.trace import leading_run
+from router.flight import Flight
 from router.service import RouterState
 from router.settings import Settings, WorkerConfig
 
@@ -131,15 +132,15 @@ class KvrouterPolicy(Policy):
     def choose(self, tokens: Sequence[int], now: float) -> tuple[int, Any]:
         d = self.state.place(tokens)
         best = d.order[0]
-        ticket = self.state.commit(d, best, kind="proxy")
-        return self._slot[d.candidates[best].key], ticket
+        flight = Flight(self.state, d, best, "proxy", endpoint="completions")
+        return self._slot[d.candidates[best].key], flight
 
     def first_token(self, handle: Any, now: float) -> None:
-        self.state.load.first_token(handle[1])
+        handle[1].first_byte()
 
     def finish(self, handle: Any, now: float) -> None:
         super().finish(handle, now)
-        self.state.load.finish(handle[1])
+        handle[1].done("200")
 
     def events(self, worker: int, events: Sequence[Event], now: float) -> None:
         key, apply = self.keys[worker], self.state.index.apply_event

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from router.load import LoadTracker, RouteAccounts
+from router.load import LoadTracker
 from router.predict import PredictedBlocks
 
 
@@ -64,23 +64,6 @@ def test_load_accounting_prefill_until_first_token_active_until_finish():
     t.finish(y)
     t.finish(y)
     assert t.get(key) is None
-
-
-def test_route_accounts_release_and_expire():
-    clock = Clock()
-    t = LoadTracker()
-    acc = RouteAccounts(t, ttl_s=5.0, max_entries=2, clock=clock)
-    r1 = acc.add(t.start(("a", 0), [1], 1.0, 0))
-    r2 = acc.add(t.start(("a", 0), [2], 1.0, 0))
-    assert len(acc) == 2 and t.inflight("a") == 2
-    assert acc.release(r1) and not acc.release(r1)
-    clock.t += 6
-    acc.expire()
-    assert len(acc) == 0 and acc.expired == 1 and t.get(("a", 0)) is None
-    assert not acc.release(r2)
-    for i in range(3):  # over max_entries: the oldest ends first
-        acc.add(t.start(("a", 0), [i], 1.0, 0))
-    assert len(acc) == 2 and t.inflight("a") == 2
 
 
 def test_might_meet_finds_every_request_sharing_a_predicted_segment():

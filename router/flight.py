@@ -1,0 +1,185 @@
+"""One placed request's life on the router: :class:`Flight` owns place → commit → first byte →
+finish for every request the router accounts — the load ticket and predicted blocks (through
+``RouterState.commit``), the in-flight / TTFB / proxied metrics, and the predicted-vs-actual
+cached tokens. Its users:
+
+- the OpenAI proxy (``kind="proxy"``): one flight per attempt on a worker; ``first_byte`` at the
+  first upstream body byte, ``done(status)`` when the answer ends, fails or the client leaves;
+- ``/route`` with ``account: true`` (``kind="route_account"``): the caller forwards the request
+  itself, so the flight waits in :class:`RouteAccounts` until ``POST /route/{id}/release``, its
+  TTL, eviction by a newer one past ``route.max_accounted``, or its worker's removal;
+- ``kvrouter replay``'s kvrouter policy, on its simulated clock.
+
+A flight closes exactly once: a second ``done`` does nothing, so no ticket is finished twice and
+no metric counts one request twice. Nothing else touches a load ticket.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+if TYPE_CHECKING:
+    from router.service import Decision, RouterState
+
+__all__ = ["Flight", "RouteAccounts", "cached_tokens_of"]
+
+
+class _Usage(msgspec.Struct):
+    class _Details(msgspec.Struct):
+        cached_tokens: int | None = None
+
+    prompt_tokens_details: _Details | None = None
+
+
+class _WithUsage(msgspec.Struct):
+    usage: _Usage | None = None
+
+
+_decode_usage = msgspec.json.Decoder(_WithUsage).decode
+
+
+def cached_tokens_of(payload: bytes) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` of an OpenAI answer (or SSE chunk), if any."""
+    try:
+        u = _decode_usage(payload).usage
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    if u is None or u.prompt_tokens_details is None:
+        return None
+    return u.prompt_tokens_details.cached_tokens
+
+
+class Flight:
+    """One request committed to one worker rank, from commit to ``done``."""
+
+    __slots__ = (
+        "cached",
+        "cand",
+        "endpoint",
+        "inflight",
+        "kind",
+        "predicted_tokens",
+        "state",
+        "t0",
+        "ticket",
+        "usage_tail",
+        "worker",
+    )
+
+    def __init__(
+        self,
+        state: RouterState,
+        d: Decision,
+        i: int,
+        kind: str,
+        *,
+        endpoint: str = "",
+        t0: float | None = None,
+    ) -> None:
+        self.state = state
+        self.cand = d.candidates[i]
+        self.worker = self.cand.key[0]
+        self.kind = kind
+        self.endpoint = endpoint
+        self.t0 = time.perf_counter() if t0 is None else t0
+        self.ticket = state.commit(d, i, kind=kind)
+        # engines (vLLM, the bundled one) always compute at least the last prompt token, so a
+        # prompt of exactly k blocks reuses at most k - 1 of them
+        bs = d.block_size
+        self.predicted_tokens = min(self.cand.matched_blocks, max(0, d.tokens - 1) // bs) * bs
+        self.usage_tail = b""
+        self.cached: int | None = None
+        self.inflight: Any = None
+        if kind == "proxy":
+            m = state.metrics
+            self.inflight = m.child(m.inflight, self.worker)
+            self.inflight.inc()
+
+    def first_byte(self) -> None:
+        """The worker's first answer byte: the request's prefill is over (idempotent)."""
+        if self.ticket.state == 0:
+            self.state.load.first_token(self.ticket)
+            m = self.state.metrics
+            m.child(m.ttfb, self.worker).observe(time.perf_counter() - self.t0)
+
+    def scan(self, chunk: bytes) -> None:
+        """Find the usage chunk of an SSE stream (lines may straddle network chunks)."""
+        if not self.usage_tail and b"cached_tokens" not in chunk:
+            if b"\n" not in chunk[-1:]:
+                self.usage_tail = chunk[chunk.rfind(b"\n") + 1 :][-4096:]
+            return
+        buf = self.usage_tail + chunk
+        lines = buf.split(b"\n")
+        self.usage_tail = lines.pop()[-65536:]
+        for line in lines:
+            if line.startswith(b"data:") and b"cached_tokens" in line:
+                v = cached_tokens_of(line[5:].strip())
+                if v is not None:
+                    self.cached = v
+
+    def done(self, status: str) -> None:
+        """The end: an HTTP status or ``client_disconnect`` / ``upstream_error`` for the proxy,
+        ``released`` / ``expired`` / ``evicted`` / ``worker_removed`` for an accounted route."""
+        st = self.state
+        if self.ticket.state == 2:
+            return
+        st.load.finish(self.ticket)
+        m = st.metrics
+        if self.inflight is not None:
+            self.inflight.dec()
+            m.child(m.proxied, self.worker, self.endpoint, status).inc()
+        else:
+            m.child(m.route_accounts_ended, status).inc()
+        if self.cached is not None:
+            m.observe_cached(self.worker, self.predicted_tokens, self.cached)
+
+
+class RouteAccounts:
+    """``/route`` calls with ``account: true``: ``route_id`` → flight, until it ends."""
+
+    def __init__(
+        self, ttl_s: float, max_entries: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self._clock = clock
+        self._routes: OrderedDict[str, tuple[float, Flight]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._routes)
+
+    def add(self, f: Flight) -> str:
+        self.expire()
+        while len(self._routes) >= self.max_entries:
+            _, (_, old) = self._routes.popitem(last=False)
+            old.done("evicted")
+        rid = secrets.token_hex(12)
+        self._routes[rid] = (self._clock() + self.ttl_s, f)
+        return rid
+
+    def release(self, route_id: str) -> bool:
+        entry = self._routes.pop(route_id, None)
+        if entry is None:
+            return False
+        entry[1].done("released")
+        return True
+
+    def expire(self) -> None:
+        now = self._clock()
+        routes = self._routes
+        while routes:
+            rid, (exp, f) = next(iter(routes.items()))
+            if exp > now:
+                break
+            del routes[rid]
+            f.done("expired")
+
+    def drop_worker(self, worker_id: str) -> None:
+        for rid in [r for r, (_, f) in self._routes.items() if f.worker == worker_id]:
+            self._routes.pop(rid)[1].done("worker_removed")
