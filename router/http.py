@@ -58,8 +58,8 @@ class RouterServer(uvicorn.Server):
         app: Any = config.app  # a router app (router.app.create_app), as server_config takes
         self._head_timeout_s: float = app.state.settings.server.head_timeout_s
         self._app_state = app.state
-        #: connection -> since when it has had no request in progress (first seen so)
-        self._waiting: dict[Any, float] = {}
+        #: connection -> (since when it has had no request in progress, its request cycle then)
+        self._waiting: dict[Any, tuple[float, Any]] = {}
         self._blind = False
 
     async def on_tick(self, counter: int) -> bool:
@@ -69,7 +69,7 @@ class RouterServer(uvicorn.Server):
     def enforce_head_deadline(self, now: float) -> int:
         """Close the connections that have waited for a request head past the deadline; returns
         how many were closed."""
-        waiting: dict[Any, float] = {}
+        waiting: dict[Any, tuple[float, Any]] = {}
         closed = 0
         for conn in self.server_state.connections:
             if not hasattr(conn, "cycle") or not hasattr(conn, "transport"):
@@ -80,9 +80,13 @@ class RouterServer(uvicorn.Server):
             cycle = conn.cycle
             if cycle is not None and not cycle.response_complete:
                 continue  # a request in progress: its body and its answer have their own limits
-            since = self._waiting.get(conn, now)
+            # idle at this tick; a busy keep-alive connection may be idle at every tick, so a
+            # new request cycle since the last one seen also restarts the clock
+            since, seen = self._waiting.get(conn, (now, cycle))
+            if seen is not cycle:
+                since = now
             if now - since < self._head_timeout_s:
-                waiting[conn] = since
+                waiting[conn] = (since, cycle)
             elif not conn.transport.is_closing():
                 conn.transport.close()
                 closed += 1

@@ -284,3 +284,28 @@ async def test_a_head_that_never_finishes_is_closed_at_the_head_deadline():
         assert 'kvrouter_http_connections_closed_total{reason="head_timeout"} 2.0' in text
     finally:
         await server.stop()
+
+
+async def test_a_busy_keep_alive_connection_outlives_the_head_deadline():
+    """Requests every 20 ms on one connection for three head deadlines: the deadline's 100 ms
+    tick mostly finds the connection between two requests, but each time with a newer request
+    cycle, so it is never closed."""
+    overrides = {"workers": [], "server": {"head_timeout_s": 0.5}}
+    server = await ServerHandle(
+        create_app(load_settings(environ={}, overrides=overrides)), router=True
+    ).start()
+    try:
+        c = await RawClient.open(server.url)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        while loop.time() - start < 1.6:
+            await c.send_raw(get("/health"))
+            status, _, _ = await c.response()
+            assert status == 200
+            await asyncio.sleep(0.02)  # the client's pace between requests
+        c.close()
+        async with httpx.AsyncClient(trust_env=False) as http:
+            text = (await http.get(server.url + "/metrics")).text
+        assert 'connections_closed_total{reason="head_timeout"}' not in text
+    finally:
+        await server.stop()
