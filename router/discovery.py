@@ -110,7 +110,7 @@ class KubernetesDiscovery:
         self.sink = sink
         s = self.settings
         client = self._client()
-        # the router's client to workers (one exchange per connection, bounded reads)
+        # the router's client to workers (bounded reads; pods come and go: no kept connections)
         self._http = UpstreamPool(connect_s=s.timeout_s, read_s=s.timeout_s, write_s=s.timeout_s)
         retry = asyncio.create_task(self._retry_pending(), name="k8s-discovery-retry")
         try:

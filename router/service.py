@@ -105,7 +105,9 @@ class RouterState:
             connect_s=p.connect_timeout_s,
             read_s=p.read_timeout_s,
             write_s=p.write_timeout_s,
-            max_idle_per_origin=p.max_connections,
+            keepalive_s=p.keepalive_s,
+            max_per_worker=p.max_connections,
+            pool_wait_s=p.pool_timeout_s,
             max_body_bytes=p.max_response_bytes,
             ca_file=p.ca_file,
         )

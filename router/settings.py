@@ -59,11 +59,8 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
     def __post_init__(self) -> None:
         # ids reach response headers (x-kvrouter-worker), metric labels and URLs: a strict charset
-        _check(
-            _WORKER_ID.fullmatch(self.id) is not None,
-            "id",
-            "must be 1-128 characters of A-Z a-z 0-9 . _ : -",
-        )
+        ok = _WORKER_ID.fullmatch(self.id) is not None
+        _check(ok, "id", "must be 1-128 characters of A-Z a-z 0-9 . _ : -")
         _check(self.url.startswith(("http://", "https://")), "url", "must be an http(s) URL")
         for key in ("events_endpoint", "replay_endpoint"):
             ep = getattr(self, key)
@@ -87,6 +84,7 @@ class ProxySettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     write_timeout_s: float = 30.0
     pool_timeout_s: float = 10.0
     max_connections: int = 1000
+    keepalive_s: float = 2.0
     ca_file: str | None = None
 
     def __post_init__(self) -> None:
@@ -95,6 +93,7 @@ class ProxySettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         _check(self.max_body_bytes >= 1024, "max_body_bytes", "must be >= 1024")
         _check(self.max_response_bytes >= 1024, "max_response_bytes", "must be >= 1024")
         _check(self.max_connections >= 1, "max_connections", "must be >= 1")
+        _check(self.keepalive_s >= 0, "keepalive_s", "must be >= 0")
         ok = self.ca_file is None or os.path.isfile(self.ca_file)
         _check(ok, "ca_file", "must be a readable PEM file")
         for k in ("connect_timeout_s", "read_timeout_s", "write_timeout_s", "pool_timeout_s"):

@@ -136,14 +136,18 @@ class UpstreamPool:
         connect_s: float,
         read_s: float,
         write_s: float,
-        max_idle_per_origin: int = 64,
+        keepalive_s: float = 0.0,
+        max_per_worker: int = 0,
+        pool_wait_s: float = 10.0,
         max_body_bytes: int = 64 << 20,
         ca_file: str | None = None,
     ) -> None:
         self.connect_s = connect_s
         self.read_s = read_s
         self.write_s = write_s  # the head deadline covers sending the (small) request body
-        self.max_idle = max_idle_per_origin
+        self.keepalive_s = keepalive_s
+        self.max_per_worker = max_per_worker
+        self.pool_wait_s = pool_wait_s
         self.max_body_bytes = max_body_bytes
         # https:// workers are verified against the system's CAs, or only against ca_file's
         self._tls: ssl.SSLContext | bool = (
@@ -153,15 +157,27 @@ class UpstreamPool:
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
+            # Idle connections are kept keepalive_s for reuse (0: one exchange per connection).
+            # A reused connection is safe for the next client: aiohttp closes, never pools, a
+            # connection whose worker sent more than its framing said, and a connection the
+            # worker closed is dropped from the pool on its FIN. keepalive_s stays under the
+            # workers' own idle timeout (uvicorn's, so vLLM's and SGLang's: 5 s), which leaves
+            # only a FIN in flight as a stale reuse: that request fails with 502, never retried.
+            pooled = self.keepalive_s > 0
             self._session = aiohttp.ClientSession(
-                # one exchange per connection: whatever a worker sends past its own framing
-                # (more bytes than its Content-Length, a second response) dies with that
-                # connection and can never be read as the answer to another client's request
                 connector=aiohttp.TCPConnector(
-                    limit=0, limit_per_host=0, force_close=True, ssl=self._tls
+                    limit=0,
+                    limit_per_host=self.max_per_worker,
+                    force_close=not pooled,
+                    keepalive_timeout=self.keepalive_s if pooled else None,
+                    ssl=self._tls,
                 ),
                 timeout=aiohttp.ClientTimeout(
-                    total=None, sock_connect=self.connect_s, sock_read=self.read_s
+                    total=None,
+                    # a free connection (max_per_worker), then the TCP connect
+                    connect=self.pool_wait_s + self.connect_s if self.max_per_worker else None,
+                    sock_connect=self.connect_s,
+                    sock_read=self.read_s,
                 ),
                 auto_decompress=False,
                 skip_auto_headers=("User-Agent", "Accept-Encoding"),

@@ -26,8 +26,12 @@ class RawWorker:
         self.posts: list[bytes] = []
         self.heads: list[bytes] = []
         self.server: asyncio.Server | None = None
+        self.connections = 0
+        self._open: set[asyncio.StreamWriter] = set()
 
     async def _serve(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        self._open.add(w)
         try:
             while True:
                 head = await r.readuntil(b"\r\n\r\n")
@@ -47,7 +51,16 @@ class RawWorker:
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         finally:
+            self._open.discard(w)
             w.close()
+
+    async def stop(self) -> None:
+        """Stop listening and close the open connections (the router's pooled ones too)."""
+        assert self.server is not None
+        self.server.close()
+        for w in list(self._open):
+            w.close()
+        await self.server.wait_closed()
 
     async def start(self) -> RawWorker:
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
@@ -125,6 +138,21 @@ async def test_overlong_body_never_reaches_the_next_client(router, raw, http) ->
     assert second.status_code == 200 and second.json() == {"n": 2}
 
 
+@pytest.mark.parametrize("keepalive_s", [2.0, 0.0])
+async def test_worker_connections_are_reused_only_while_kept_alive(
+    router, raw, http, keepalive_s
+) -> None:
+    """``proxy.keepalive_s``: 4 requests in a row share one kept-alive connection (a health
+    check may hold a second at the same moment); with 0, each opens its own."""
+    w = await raw(fixed(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}"))
+    r = await routed(router, [("w", w)], proxy={"keepalive_s": keepalive_s})
+    before = w.connections
+    for i in range(4):
+        assert (await http.post(r.url + "/v1/completions", json={"prompt": f"k{i}"})).is_success
+    opened = w.connections - before
+    assert opened <= 2 if keepalive_s else opened >= 4, opened
+
+
 async def test_a_post_goes_to_one_worker_once(router, raw, http) -> None:
     """Junk instead of a response: 502, and no second copy to this or any other worker."""
     bad = await raw(fixed(b"this is not HTTP\r\n\r\n"))
@@ -142,9 +170,7 @@ async def test_a_refused_connection_moves_to_the_next_worker(router, raw, http) 
     good = await raw(fixed(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}"))
     gone = await raw(fixed(b""))
     r = await routed(router, [("gone", gone), ("good", good)])
-    assert gone.server is not None
-    gone.server.close()  # nothing listens: provably received nothing
-    await gone.server.wait_closed()
+    await gone.stop()  # nothing listens: provably received nothing
     for i in range(4):
         resp = await http.post(r.url + "/v1/completions", json={"prompt": f"q{i}"})
         assert resp.status_code == 200 and resp.headers["x-kvrouter-worker"] == "good"
