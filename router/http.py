@@ -17,8 +17,10 @@ What the router asks of uvicorn (``server:`` in the config):
   enforces one: a connection with no request in progress — from accept, or from the end of its
   last answer, to a complete request head — for longer than this is closed. It runs on uvicorn's
   own 100 ms tick (``Server.on_tick``) and reads each connection's current request cycle; where a
-  future uvicorn no longer exposes one, the deadline is off and says so once in the log (the
-  slowloris test in ``tests/integration/router/test_router_edge.py`` fails first);
+  future uvicorn no longer exposes one, such connections are skipped and the log says so once
+  (the slowloris test in ``tests/integration/router/test_router_http.py`` fails first);
+- ``ws="none"``: the router has no WebSocket endpoint, so an ``Upgrade: websocket`` request is
+  answered as plain HTTP and no connection leaves uvicorn's HTTP protocol;
 - ``drain_grace_s`` → ``timeout_graceful_shutdown``: after SIGTERM ``/ready`` answers 503 at once
   and in-flight requests (streams included) get this long to finish.
 """
@@ -42,6 +44,7 @@ def server_config(app: Any, **kwargs: Any) -> uvicorn.Config:
     s = app.state.settings.server
     kwargs.setdefault("http", s.http)
     kwargs.setdefault("lifespan", "on")
+    kwargs.setdefault("ws", "none")  # no WebSocket endpoint: an Upgrade is plain HTTP
     kwargs.setdefault("access_log", False)
     kwargs.setdefault("limit_concurrency", s.max_connections)
     kwargs.setdefault("timeout_keep_alive", s.keep_alive_timeout_s)
@@ -73,10 +76,11 @@ class RouterServer(uvicorn.Server):
         closed = 0
         for conn in self.server_state.connections:
             if not hasattr(conn, "cycle") or not hasattr(conn, "transport"):
+                # not uvicorn's HTTP protocol as this knows it: skipped, never closed blindly
                 if not self._blind:
                     self._blind = True
-                    log.warning("head_timeout_s is not enforced: uvicorn's protocol changed")
-                return 0
+                    log.warning("head_timeout_s not enforced on %s", type(conn).__name__)
+                continue
             cycle = conn.cycle
             if cycle is not None and not cycle.response_complete:
                 continue  # a request in progress: its body and its answer have their own limits

@@ -262,6 +262,13 @@ async def test_a_head_that_never_finishes_is_closed_at_the_head_deadline():
         body_r, body_w = await asyncio.open_connection("127.0.0.1", server.port)
         body_w.write(b'POST /route HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"tok')
         trickle_w.write(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        # a WebSocket upgrade is answered as plain HTTP: no connection leaves the deadline's view
+        ws_r, ws_w = await asyncio.open_connection("127.0.0.1", server.port)
+        ws_w.write(
+            b"GET /health HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+        )
+        assert (await asyncio.wait_for(ws_r.readuntil(b"\r\n"), 10)).startswith(b"HTTP/1.1 200")
 
         async def drip() -> None:
             with contextlib.suppress(ConnectionError):
@@ -277,11 +284,12 @@ async def test_a_head_that_never_finishes_is_closed_at_the_head_deadline():
         dripper.cancel()
         head = await asyncio.wait_for(body_r.readuntil(b"\r\n\r\n"), 10)
         assert head.startswith(b"HTTP/1.1 408 "), head
-        for w in (trickle_w, silent_w, body_w):
+        await asyncio.wait_for(ws_r.read(), 10)  # its idle keep-alive is closed too
+        for w in (trickle_w, silent_w, body_w, ws_w):
             w.close()
         async with httpx.AsyncClient(trust_env=False) as http:
             text = (await http.get(server.url + "/metrics")).text
-        assert 'kvrouter_http_connections_closed_total{reason="head_timeout"} 2.0' in text
+        assert 'kvrouter_http_connections_closed_total{reason="head_timeout"} 3.0' in text
     finally:
         await server.stop()
 
