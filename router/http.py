@@ -45,6 +45,7 @@ def server_config(app: Any, **kwargs: Any) -> uvicorn.Config:
     kwargs.setdefault("http", s.http)
     kwargs.setdefault("lifespan", "on")
     kwargs.setdefault("ws", "none")  # no WebSocket endpoint: an Upgrade is plain HTTP
+    kwargs.setdefault("server_header", False)  # the server software is nobody's business
     kwargs.setdefault("access_log", False)
     kwargs.setdefault("limit_concurrency", s.max_connections)
     kwargs.setdefault("timeout_keep_alive", s.keep_alive_timeout_s)

@@ -27,7 +27,7 @@ async def _spawn(*args: str) -> asyncio.subprocess.Process:
 
 async def test_serve_port_zero_prints_bound_url_and_stops_on_sigterm(tmp_path):
     cfg = tmp_path / "r.yaml"
-    cfg.write_text("scoring:\n  overlap_weight: 2.0\n")
+    cfg.write_text("scoring:\n  overlap_weight: 2.0\nserver:\n  head_timeout_s: 0.5\n")
     proc = await _spawn("serve", "--config", str(cfg), "--port", "0", "--admin-key", "k")
     try:
         assert proc.stdout is not None
@@ -43,6 +43,11 @@ async def test_serve_port_zero_prints_bound_url_and_stops_on_sigterm(tmp_path):
             assert (await c.post(url + "/workers", json={})).status_code == 401
             r = await c.post(url + "/route", json={"token_ids": [1, 2, 3]})
             assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+            assert "server" not in r.headers  # the server software is not advertised
+        # the served process enforces the head deadline: a silent connection is closed
+        reader, writer = await asyncio.open_connection("127.0.0.1", int(m.group(2)))
+        assert await asyncio.wait_for(reader.read(), 10) == b""
+        writer.close()
     finally:
         proc.send_signal(signal.SIGTERM)
         _, err = await asyncio.wait_for(proc.communicate(), 30)
