@@ -1,7 +1,7 @@
 """Build hook for the optional C accelerators: the router block hash and index tables
 (``indexer._chash``) and the router's body scanner and load counts (``router._native``). The
-scorer has no C twin: it cost ~18 µs a placement and a second copy of the cost formula
-(docs/replay.md measures /route without it).
+scorer has no C twin any more: it saved 10-20 µs a placement at the price of a second copy of
+the cost formula (docs/replay.md measures /route without it).
 
 The extension is `optional`: if no compiler is present the install still succeeds and
 `indexer.hashing` falls back to the pure-Python implementation, which gives identical values.

@@ -131,7 +131,7 @@ class Flight:
             return
         st.load.finish(self.ticket)
         m = st.metrics
-        if self.inflight is not None:
+        if self.kind == "proxy":
             self.inflight.dec()
             m.child(m.proxied, self.worker, self.endpoint, status).inc()
         else:

@@ -140,15 +140,16 @@ async def proxy_request(
         raise NoHealthyWorker("no healthy worker for this request")
     path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
     fwd = [("Content-Type", "application/json")]
-    traced = state.trace_headers is not None
+    trace_headers = state.trace_headers
+    traced = trace_headers is not None
     for h in _FORWARD_HEADERS:
         if (keys and h == "authorization") or (traced and h in _TRACE_HEADERS):
             continue
         v = header(h)
         if v is not None:
             fwd.append((h, v))
-    if state.trace_headers is not None:  # the router's span, not the client's, is the parent
-        fwd += state.trace_headers()
+    if trace_headers is not None:  # the router's span, not the client's, is the parent
+        fwd += trace_headers()
     state.inflight += 1
     errors: list[str] = []
     attempts = d.order[: 1 + s.retries]
