@@ -159,6 +159,7 @@ async def test_metrics_and_health(workers, router, http):
     r = await router([a], scoring={"running_weight": 1.0})
     assert (await http.get(r.url + "/health")).json() == {"status": "ok"}
     a.store(list(range(48)), medium="CPU")
+    await wait_for(lambda: r.matched(list(range(48)), "a") == 3, 20, "the store applied")
     await wait_for(lambda: r.state.registry.workers["a"].scraped is not None, 20, "scrape")
     assert r.state.registry.workers["a"].scraped.kv_usage == 0.25
     await http.post(r.url + "/route", json={"token_ids": list(range(48))})
