@@ -1,10 +1,11 @@
-"""The FastAPI app: ``create_app(settings)`` wires the HTTP API onto a :class:`RouterState` that
+"""The router app: ``create_app(settings)`` wires the HTTP API onto a :class:`RouterState` that
 its lifespan builds (index, subscriber task, HTTP client, metrics registry, health checks) and
 tears down. No module-level mutable state: two apps in one process share nothing.
 
-Endpoints are plain Starlette routes returning msgspec-encoded bytes: ``/route`` answers in a few
-hundred microseconds, so FastAPI's dependency solving and pydantic serialization are skipped.
-Every error is JSON ``{"error": {"message", "type"}}`` with the status of :mod:`router.errors`.
+``/route`` and the two OpenAI endpoints are plain ASGI endpoints that :class:`router.edge.RouterApp`
+dispatches ahead of FastAPI; the rest are plain Starlette routes on the FastAPI app, returning
+msgspec-encoded bytes (no dependency solving, no pydantic serialization). Every error is JSON
+``{"error": {"message", "type", "param", "code"}}`` with the status of :mod:`router.errors`.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.types import ASGIApp
 
 from router.access import AccessLog
 from router.api import WorkerIn, decode, encode, read_body
+from router.edge import RouterApp
 from router.errors import (
     BadRequest,
     Forbidden,
@@ -224,7 +226,7 @@ async def _snapshots(state: RouterState) -> None:
         state.write_snapshot()
 
 
-def create_app(settings: Settings) -> FastAPI:
+def create_app(settings: Settings) -> RouterApp:
     discovery = None
     if settings.kubernetes.discovery.enabled:  # workers from pods (the `k8s` extra)
         from router.discovery import KubernetesDiscovery
@@ -271,26 +273,22 @@ def create_app(settings: Settings) -> FastAPI:
             if tracing is not None:  # flush the queued spans (blocking HTTP: off the loop)
                 await asyncio.to_thread(tracing.shutdown)
 
-    app = FastAPI(
+    api = FastAPI(
         title="kvrouter",
         lifespan=lifespan,
         docs_url=None,
         redoc_url=None,
         openapi_url=None,
+        # FastAPI's own OpenTelemetry (>= 0.142) stays off: the router's tracing is
+        # router/tracing.py, and a second server span per request would cost and confuse
+        telemetry={"tracing": False, "metrics": False, "logs": False, "auto_configure": False},
     )
-    app.state.settings = settings
-    app.add_middleware(RouteEndpoint)  # POST /route, ahead of the app's routing
-    app.add_middleware(AccessLog)  # every request, /route included
-    if tracing is not None:  # outermost: the span covers the access log and /route too
-        cls, kw = tracing.middleware()
-        app.add_middleware(cls, **kw)
-    app.add_exception_handler(RouterError, _router_error)
-    app.add_exception_handler(HTTPException, _http_error)
-    app.add_exception_handler(Exception, _internal_error)
-    add = app.add_route
+    api.state.settings = settings
+    api.add_exception_handler(RouterError, _router_error)
+    api.add_exception_handler(HTTPException, _http_error)
+    api.add_exception_handler(Exception, _internal_error)
+    add = api.add_route
     add("/route/{route_id}/release", release_route, methods=["POST"])
-    for path, endpoint in (("/v1/completions", "completions"), ("/v1/chat/completions", "chat")):
-        app.router.routes.append(Route(path, AsgiProxy(endpoint), methods=["POST"]))
     add("/v1/models", models, methods=["GET"])
     add("/workers", list_workers, methods=["GET"])
     add("/workers", add_worker, methods=["POST"])
@@ -299,8 +297,21 @@ def create_app(settings: Settings) -> FastAPI:
     add("/ready", ready, methods=["GET"])
     add("/metrics", metrics, methods=["GET"])
     if settings.server.docs:
-        _add_docs(app)
-    return app
+        _add_docs(api)
+    hot: dict[str, ASGIApp] = {
+        "/route": RouteEndpoint(api.state),
+        "/v1/completions": AsgiProxy("completions", api.state),
+        "/v1/chat/completions": AsgiProxy("chat", api.state),
+    }
+
+    def wrap(app: ASGIApp) -> ASGIApp:
+        app = AccessLog(app)  # every request, the hot paths included
+        if tracing is not None:  # outermost: the span covers the access log too
+            cls, kw = tracing.middleware()
+            app = cls(app, **kw)
+        return app
+
+    return RouterApp(api, hot, wrap)
 
 
 def _add_docs(app: FastAPI) -> None:

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from router.api import (
     CandidateOut,
@@ -25,7 +26,6 @@ from router.api import (
 )
 from router.errors import (
     BadRequest,
-    MethodNotAllowed,
     NoHealthyWorker,
     RouterError,
     error_json,
@@ -120,24 +120,19 @@ def _breakdown(by_tier: Mapping[str, int], seen: dict[int, dict[str, int]]) -> d
 
 
 class RouteEndpoint:
-    """``POST /route`` as a plain ASGI middleware in front of the app's routing: the placement
-    API is the router's hot path, and FastAPI's router and exception layers cost as much as the
-    answer itself. Every other request passes to the app untouched."""
+    """``POST /route`` as a plain ASGI endpoint, which :class:`router.edge.RouterApp` calls ahead
+    of FastAPI: the placement API is the router's hot path, and FastAPI's router and exception
+    layers cost as much as the answer itself. ``app_state`` is the app's ``state`` (its ``kv``
+    is set when the lifespan starts)."""
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
+    def __init__(self, app_state: Any) -> None:
+        self.app_state = app_state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] != "/route":
-            await self.app(scope, receive, send)
-            return
-        state: RouterState = scope["app"].state.kv
+        state: RouterState = self.app_state.kv
         s = state.settings
         status, headers = 200, [(b"content-type", b"application/json")]
         try:
-            if scope["method"] != "POST":
-                headers.append((b"allow", b"POST"))
-                raise MethodNotAllowed("/route takes POST")
             if s.api_keys:
                 auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
                 require_bearer(auth.decode("latin-1"), s.api_keys, "/route")

@@ -261,14 +261,17 @@ class _AsgiOut(Responder):
 
 
 class AsgiProxy:
-    """The proxy as a plain ASGI endpoint (``endpoint``: ``completions`` or ``chat``): the body
-    is read, :func:`proxy_request` runs in a task, and a client disconnect cancels it."""
+    """The proxy as a plain ASGI endpoint (``endpoint``: ``completions`` or ``chat``), which
+    :class:`router.edge.RouterApp` calls: the body is read, :func:`proxy_request` runs in a task,
+    and a client disconnect cancels it. ``app_state`` is the app's ``state`` (``kv`` once
+    started)."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, app_state: Any) -> None:
         self.endpoint = endpoint
+        self.app_state = app_state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        state: RouterState = scope["app"].state.kv
+        state: RouterState = self.app_state.kv
         t0 = time.perf_counter()
         out = _AsgiOut(send)
         request = Request(scope, receive)

@@ -207,6 +207,41 @@ async def test_odd_route_bodies(workers, router, http):
     assert "required" in await err(b'{"token_ids\\"": [1, 2]}', 400)
 
 
+async def test_the_hot_paths_and_the_app_answer_alike(workers, router, http, monkeypatch, caplog):
+    """``/route`` and the OpenAI endpoints skip FastAPI (router.edge): a wrong method, and an
+    error nobody expected, get the same OpenAI-shaped answers and headers as through the app."""
+    a = await workers("a")
+    r = await router([a])
+    for path in ("/route", "/v1/completions", "/v1/chat/completions"):
+        resp = await http.get(r.url + path)
+        assert resp.status_code == 405 and resp.headers["allow"] == "POST", path
+        assert resp.json()["error"]["type"] == "invalid_request_error", path
+        assert resp.headers["x-request-id"], path  # the access log wraps the hot paths too
+    missing = await http.get(r.url + "/nope")  # through FastAPI
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+    assert missing.headers["x-request-id"]
+
+    def broken(*args: Any, **kwargs: Any) -> Any:  # a bug no real peer can provoke: a seam
+        raise RuntimeError("placement bug")
+
+    monkeypatch.setattr(r.state, "place", broken)
+    body = {"prompt": "hi", "max_tokens": 1}
+    for path, payload in (("/route", {"token_ids": [1, 2, 3]}), ("/v1/completions", body)):
+        resp = await http.post(r.url + path, json=payload)
+        assert resp.status_code == 500, path
+        assert resp.json()["error"] == {
+            "message": "internal router error",
+            "type": "internal_error",
+            "param": None,
+            "code": None,
+        }
+    assert sum("placement bug" in (rec.exc_text or "") for rec in caplog.records) == 2
+    assert not a.requests
+    monkeypatch.undo()
+    ok = await http.post(r.url + "/route", json={"token_ids": [1, 2, 3]})
+    assert ok.status_code == 200  # the server serves on
+
+
 async def test_streamed_body_over_the_limit_gets_413_then_close(workers, router):
     a = await workers("a")
     r = await router([a], proxy={"max_body_bytes": 1024})
