@@ -218,6 +218,23 @@ def test_json_numbers_ending_near_the_buffer_end() -> None:
         assert hashing.chain_hashes_json(full, 4, 1) == (py_chain_hashes(toks, 4, 1), len(toks))
 
 
+def test_json_every_byte_of_a_long_array_judged_like_the_reference() -> None:
+    # one byte changed anywhere in a long array (where the SWAR path runs), to anything that could
+    # pass for part of one, a byte dropped, or a number too long for the fast path put in: judged
+    # as the reference does
+    rng = random.Random(5)
+    toks = [rng.choice((rng.randrange(10), rng.randrange(1000), rng.randrange(10**7)))
+            for _ in range(60)]  # fmt: skip
+    for sep in (", ", ","):
+        text = ("[" + sep.join(map(str, toks)) + "]").encode()
+        assert hashing.chain_hashes_json(text, 4, 9) == (py_chain_hashes(toks, 4, 9), len(toks))
+        for at in range(len(text)):
+            for byte in b"0 ,\t-]\xb0":
+                _check_json(text[:at] + bytes([byte]) + text[at + 1 :], 4, 9)
+            _check_json(text[:at] + b"12345678" + text[at:], 4, 9)
+            _check_json(text[:at] + text[at + 1 :], 4, 9)
+
+
 def test_json_many_blocks_and_separators() -> None:
     rng = random.Random(11)
     toks = [rng.randrange(300_000) for _ in range(5_000)]
