@@ -33,14 +33,13 @@ from typing import Any, Protocol
 import msgspec
 
 from router.errors import ConfigError, RouterError
-from router.pods import EventSource, PodNotUsable, decode_sources, pod_ready, worker_for_pod
+from router.pods import PodNotUsable, fetch_sources, pod_ready, worker_for_pod
 from router.settings import DiscoverySettings, WorkerConfig
-from router.upstream import BodyTooLarge, UpstreamError, UpstreamPool
+from router.upstream import UpstreamPool
 
 __all__ = ["KubernetesDiscovery", "WorkerSink"]
 
 log = logging.getLogger("kvrouter.discovery")
-_MAX_SOURCES_BYTES = 64 * 1024  # a pod's /kv_event_sources answer is a few hundred bytes
 
 
 class WorkerSink(Protocol):
@@ -251,27 +250,7 @@ class KubernetesDiscovery:
         if s.endpoints != "kv_event_sources":
             return worker_for_pod(pod, s)
         base = worker_for_pod(pod, s)  # the HTTP port (annotation or default)
-        return worker_for_pod(pod, s, await self._sources(http, base.base_url))
-
-    async def _sources(self, http: Any, base_url: str) -> list[EventSource]:
-        """vLLM's ``GET /kv_event_sources`` on the pod (a URL built from the API server's pod IP,
-        never from a client), read to at most 64 KiB."""
-        url = base_url + "/kv_event_sources"
-        timeout = self.settings.timeout_s
-        try:
-            status, body = await http.get(
-                base_url, "/kv_event_sources", timeout, _MAX_SOURCES_BYTES
-            )
-        except BodyTooLarge as e:
-            raise PodNotUsable(f"GET {url}: answer larger than 64 KiB") from e
-        except UpstreamError as e:
-            raise PodNotUsable(f"GET {url} failed: {type(e).__name__}: {e}") from e
-        if status != 200:
-            raise PodNotUsable(f"GET {url} answered {status}")
-        try:
-            return decode_sources(bytes(body))
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            raise PodNotUsable(f"GET {url}: not a list of KV event sources: {e}") from e
+        return worker_for_pod(pod, s, await fetch_sources(http, base.base_url, s.timeout_s))
 
     def _problem(self, name: str, why: str) -> None:
         if self._problems.get(name) != why:

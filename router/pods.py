@@ -1,8 +1,9 @@
 """What a worker pod or a ``GET /kv_event_sources`` answer means as a router worker: which pods
 are ready, the :class:`~router.settings.WorkerConfig` a pod stands for (ports, data-parallel ranks,
-model and pool from its annotations), and the event endpoints vLLM lists for its ranks. Pure
-functions: :mod:`router.discovery` (Kubernetes) and the worker tokenizer's endpoint discovery
-(``router.service``) call them; nothing here does I/O.
+model and pool from its annotations), and the event endpoints vLLM lists for its ranks.
+:mod:`router.discovery` (Kubernetes) and ``router.service`` (a configured worker given without
+``events=``) call them. One function does I/O: :func:`fetch_sources`, the one reader of
+``GET /kv_event_sources``; the rest are pure.
 """
 
 from __future__ import annotations
@@ -13,17 +14,20 @@ from typing import Any
 import msgspec
 
 from router.settings import DiscoverySettings, WorkerConfig
+from router.upstream import BodyTooLarge, UpstreamError, UpstreamPool
 
 __all__ = [
     "EventSource",
     "PodNotUsable",
     "decode_sources",
+    "fetch_sources",
     "pod_ready",
     "sources_to_endpoints",
     "worker_for_pod",
 ]
 
 _WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]", "")
+_MAX_SOURCES_BYTES = 64 * 1024  # a /kv_event_sources answer is a few hundred bytes
 
 
 class PodNotUsable(Exception):
@@ -134,13 +138,28 @@ def worker_for_pod(
         raise PodNotUsable(str(e).replace("`", "")) from e
 
 
-def sources_to_endpoints(body: bytes, host: str) -> tuple[str, str | None, int]:
+async def fetch_sources(http: UpstreamPool, base_url: str, timeout_s: float) -> list[EventSource]:
+    """A worker's ``GET /kv_event_sources``, read to at most 64 KiB within ``timeout_s``.
+    ``base_url`` comes from the operator's config or the API server's pod IP, never from a
+    client. Raises :class:`PodNotUsable` naming the URL and what is wrong."""
+    url = base_url + "/kv_event_sources"
+    try:
+        status, body = await http.get(base_url, "/kv_event_sources", timeout_s, _MAX_SOURCES_BYTES)
+    except BodyTooLarge as e:
+        raise PodNotUsable(f"GET {url}: answer larger than 64 KiB") from e
+    except UpstreamError as e:
+        raise PodNotUsable(f"GET {url} failed: {type(e).__name__}: {e}") from e
+    if status != 200:
+        raise PodNotUsable(f"GET {url} answered {status}")
+    try:
+        return decode_sources(bytes(body))
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise PodNotUsable(f"GET {url}: not a list of KV event sources: {e}") from e
+
+
+def sources_to_endpoints(sources: list[EventSource], host: str) -> tuple[str, str | None, int]:
     """(events, replay, dp ranks) from a worker's ``/kv_event_sources`` answer, wildcard bind
     addresses replaced by ``host``; raises :class:`PodNotUsable` naming what is wrong."""
-    try:
-        sources = decode_sources(body)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise PodNotUsable(f"not a list of KV event sources: {e}") from e
     return _from_sources(sources, _host(host))
 
 

@@ -176,22 +176,15 @@ class RouterState:
     async def _with_event_sources(self, cfg: WorkerConfig) -> WorkerConfig:
         """``cfg`` with the event endpoints the worker publishes on, from its
         ``GET /kv_event_sources`` (vLLM): a configured URL is the only one called."""
-        from router.pods import PodNotUsable, sources_to_endpoints
+        from router.pods import PodNotUsable, fetch_sources, sources_to_endpoints
 
-        what = f"worker {cfg.id!r}: GET {cfg.base_url}/kv_event_sources"
-        try:
-            status, body = await self.upstream.get(
-                cfg.url, "/kv_event_sources", self.settings.health.timeout_s, 64 * 1024
-            )
-        except UpstreamError as e:
-            raise BadRequest(f"{what} failed ({type(e).__name__}: {e}); give events=") from e
-        if status != 200:
-            raise BadRequest(f"{what} answered {status}; give events= for this worker")
         host = urlsplit(cfg.url).hostname or ""
+        timeout = self.settings.health.timeout_s
         try:
-            events, replay, dp_ranks = sources_to_endpoints(body, host)
+            sources = await fetch_sources(self.upstream, cfg.base_url, timeout)
+            events, replay, dp_ranks = sources_to_endpoints(sources, host)
         except PodNotUsable as e:
-            raise BadRequest(f"{what}: {e}") from e
+            raise BadRequest(f"worker {cfg.id!r}: {e}; give events= for this worker") from e
         log.info("worker %s publishes KV events on %s (replay %s)", cfg.id, events, replay)
         return msgspec.structs.replace(
             cfg, events_endpoint=events, replay_endpoint=replay, dp_ranks=dp_ranks
