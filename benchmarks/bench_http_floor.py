@@ -13,6 +13,10 @@ Two stand-ins, measured with ``bench_route.py``'s own client and request shapes:
 2. proxy floor: a bare forwarder (same server, the router's own upstream client) between the
    client and ``bench_route.py``'s worker, alternating with direct calls at ``--rate``
    requests/s. Its added latency is the price of one more hop with no routing at all.
+
+``--serve-asgi h11|httptools`` serves the same fixed answer as a bare ASGI app on uvicorn, with
+the router's own server settings (``router.http``): what the maintained server alone costs.
+``bench_vs_dynamo.py --floors`` measures both next to the router and Dynamo in one run.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -86,6 +91,36 @@ def serve(upstream: str | None) -> None:
     uvloop.run(main())
 
 
+def serve_asgi(http: str) -> None:
+    """The fixed answer from a bare ASGI app on uvicorn (``http``: its h11 or httptools
+    protocol), configured as ``router.http.server_config`` configures the router's."""
+    import uvicorn
+    import uvloop
+
+    async def app(scope: dict, receive: Any, send: Any) -> None:
+        while (await receive()).get("more_body"):
+            pass
+        head = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(ANSWER))]
+        await send({"type": "http.response.start", "status": 200, "headers": head})
+        await send({"type": "http.response.body", "body": ANSWER})
+
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=0, http=http, ws="none", lifespan="off",
+        server_header=False, access_log=False, log_level="warning",
+    )  # fmt: skip
+    server = uvicorn.Server(config)
+
+    async def main() -> None:
+        task = asyncio.ensure_future(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.01)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        print(f"floor http://127.0.0.1:{port}", flush=True)
+        await task
+
+    uvloop.run(main())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--queries", type=int, default=5000, help="route-floor requests per round")
@@ -93,9 +128,13 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=100.0, help="proxy-floor requests per second")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--serve", nargs="?", const="", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--serve-asgi", choices=["h11", "httptools"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve is not None:
         serve(args.serve or None)
+        return
+    if args.serve_asgi is not None:
+        serve_asgi(args.serve_asgi)
         return
     me = str(Path(__file__).resolve())
     procs: list[subprocess.Popen[str]] = []

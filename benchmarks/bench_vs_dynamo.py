@@ -7,6 +7,7 @@ Run (nothing else should be running; about 20 seconds on the 2-core dev machine)
     python benchmarks/bench_vs_dynamo.py --queries 300 --rounds 1          # a quick check
     python benchmarks/bench_vs_dynamo.py --dynamo-threads 1   # Dynamo's single-threaded KvIndexer
     taskset -c 0 python benchmarks/bench_vs_dynamo.py         # every process on one core
+    python benchmarks/bench_vs_dynamo.py --floors  # and uvicorn alone (h11, httptools): a fixed answer
 
 Dynamo is never a dependency of this repository: it lives in its own virtual environment (the
 wheel is ~275 MB), given by ``--dynamo-python`` (default ``/tmp/dyn/bin/python``). Create it with
@@ -42,11 +43,14 @@ Steps:
    run stops with exit status 1.
 4. 300 warm-up requests per server, then ``--rounds`` rounds of ``--queries`` requests per server,
    each server over one keep-alive connection (``bench_route.Client``); the requests are
-   interleaved one by one (the same document to both, back to back, the order swapped every pair)
-   so both see the same machine noise. Bodies: ``{"token_ids": doc[:4096]}`` for ``/route`` and
-   ``{"token_ids": doc[:4096], "model_name": "default"}`` for ``/query`` (256 blocks), the documents
-   drawn by ``random.Random(1)`` as in ``bench_route.py``. Latency: client-side, from the request
-   write to the last response byte.
+   interleaved one by one (the same document to each, back to back, the order rotated every
+   request) so all see the same machine noise. With ``--floors``, two more servers take part:
+   ``bench_http_floor.py --serve-asgi h11|httptools``, a bare ASGI app on uvicorn with the
+   router's server settings that reads the ``/route`` body and sends a fixed answer of the same
+   size, i.e. what the maintained server alone costs. Bodies: ``{"token_ids": doc[:4096]}`` for
+   ``/route`` and ``{"token_ids": doc[:4096], "model_name": "default"}`` for ``/query`` (256
+   blocks), the documents drawn by ``random.Random(1)`` as in ``bench_route.py``. Latency:
+   client-side, from the request write to the last response byte.
 
 The table gives each server's p50/p99 as the median over rounds with every round's beside it, and
 router/Dynamo ratios per round and their median. On the 2-vCPU dev VM identical runs differ by
@@ -372,22 +376,31 @@ def _bench(args: argparse.Namespace, log: IO[bytes]) -> dict[str, Any]:
         if nonzero == 0:
             raise SystemExit("every overlap is 0: the stream was not applied")
 
-        # 4. warm up, then the interleaved rounds
-        def measure(n: int) -> tuple[list[float], list[float]]:
-            r_lat, d_lat = [], []
+        # 4. warm up, then the interleaved rounds: one request to each server in turn, the
+        # order rotated every request so that none always follows the same other
+        targets = [(rc, "/route", r_bodies), (dc, "/query", d_bodies)]
+        for http in ("h11", "httptools") if args.floors else ():
+            floor, floor_url = spawn(
+                [sys.executable, str(HERE / "bench_http_floor.py"), "--serve-asgi", http],
+                r"floor (http://\S+)",
+            )
+            procs.append(floor)
+            clients.append(Client(floor_url))
+            targets.append((clients[-1], "/route", r_bodies))
+
+        def measure(n: int) -> list[list[float]]:
+            lat: list[list[float]] = [[] for _ in targets]
+            m = len(targets)
             for i in range(n):
                 k = i % len(r_bodies)
-                if i & 1:  # swap the order every pair: neither is always first after the other
-                    sd, bd, td = dc.call("POST", "/query", d_bodies[k])
-                    sr, br, tr = rc.call("POST", "/route", r_bodies[k])
-                else:
-                    sr, br, tr = rc.call("POST", "/route", r_bodies[k])
-                    sd, bd, td = dc.call("POST", "/query", d_bodies[k])
-                if sr != 200 or sd != 200:
-                    raise SystemExit(f"/route {sr} {br[:200]!r}; /query {sd} {bd[:200]!r}")
-                r_lat.append(tr)
-                d_lat.append(td)
-            return r_lat, d_lat
+                for j in range(m):
+                    t = (i + j) % m
+                    c, path, bodies = targets[t]
+                    status, body, took = c.call("POST", path, bodies[k])
+                    if status != 200:
+                        raise SystemExit(f"{path} answered {status}: {body[:200]!r}")
+                    lat[t].append(took)
+            return lat
 
         measure(WARMUP)
         rounds = [measure(args.queries) for _ in range(args.rounds)]
@@ -420,13 +433,22 @@ def main() -> None:
     ap.add_argument(
         "--raw-hashes", action="store_true", help="build_stream's serial block hashes, as they are"
     )
+    ap.add_argument(
+        "--floors",
+        action="store_true",
+        help="also a bare ASGI app with a fixed answer on uvicorn (h11, httptools): the server alone",
+    )
     args = ap.parse_args()
     version = dynamo_version(args.dynamo_python)
     res = run(args)
     us = 1e6
+    names = ["router  POST /route", "Dynamo  POST /query"]
+    short = ["router", "Dynamo"]
+    if args.floors:
+        names += ["uvicorn h11, fixed answer", "uvicorn httptools, fixed"]
+        short += ["uvicorn h11", "uvicorn httptools"]
     per = {
-        "router": [(pct(r, 0.5), pct(r, 0.99)) for r, _ in res["rounds"]],
-        "dynamo": [(pct(d, 0.5), pct(d, 0.99)) for _, d in res["rounds"]],
+        n: [(pct(r[t], 0.5), pct(r[t], 0.99)) for r in res["rounds"]] for t, n in enumerate(names)
     }
     threads = args.dynamo_threads if args.dynamo_threads is not None else "4 (default)"
     stored = res["stored"]
@@ -446,17 +468,18 @@ def main() -> None:
         f"{args.queries} requests per server, interleaved one by one\n"
     )
     print(f"{'server':<28}{'p50':>10}{'p99':>10}   per round p50/p99 (us)")
-    rows = [("router  POST /route", per["router"]), ("Dynamo  POST /query", per["dynamo"])]
-    for name, xs in rows:
+    for name, xs in per.items():
         p50 = statistics.median(x[0] for x in xs)
         p99 = statistics.median(x[1] for x in xs)
         each = "  ".join(f"{a * us:.0f}/{b * us:.0f}" for a, b in xs)
         print(f"{name:<28}{p50 * us:>8.0f}us{p99 * us:>8.0f}us   {each}")
-    ratios = [(a[0] / b[0], a[1] / b[1]) for a, b in zip(per["router"], per["dynamo"])]
-    r50 = statistics.median(x[0] for x in ratios)
-    r99 = statistics.median(x[1] for x in ratios)
-    each = "  ".join(f"{a:.2f}/{b:.2f}" for a, b in ratios)
-    print(f"{'router / Dynamo':<28}{r50:>10.2f}{r99:>10.2f}   {each}")
+    dynamo = per[names[1]]
+    for t in (0, *range(2, len(names))):
+        ratios = [(a[0] / b[0], a[1] / b[1]) for a, b in zip(per[names[t]], dynamo)]
+        r50 = statistics.median(x[0] for x in ratios)
+        r99 = statistics.median(x[1] for x in ratios)
+        each = "  ".join(f"{a:.2f}/{b:.2f}" for a, b in ratios)
+        print(f"{short[t] + ' / Dynamo':<28}{r50:>10.2f}{r99:>10.2f}   {each}")
     print(
         "(each column: the median over rounds; ratios per round, the same round's noise for both)"
     )
