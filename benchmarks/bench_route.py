@@ -24,11 +24,9 @@ come from 8 ZMQ PUB sockets in this process.
    ``token_ids`` of a document's first 4,096 tokens (256 blocks), one request at a time over one
    keep-alive connection (a raw-socket HTTP/1.1 client); latency measured by the client, from
    the request write to the last response byte.
-   Reference on this machine: Dynamo's standalone indexer answers its ``/query`` for the same
-   shape at p50 279 µs / p99 438 µs. Target: p99 <= 438 µs. ``bench_vs_dynamo.py`` measures
-   Dynamo's ``/query`` side by side with ``/route`` in one run, on this state (with engine hashes
-   derived from content, which Dynamo needs: this file's serial ones would leave ~5% of the blocks
-   in Dynamo's tree).
+   Target: p99 <= Dynamo's ``/query`` p99 for the same shape (438 µs on this machine once);
+   ``bench_vs_dynamo.py`` measures both side by side in one run, on this state (with engine
+   hashes derived from content, which Dynamo needs).
 2. proxy: ``POST /v1/completions`` (a 1,000-byte prompt, non-streaming) paced at ``--rate``
    requests/s, alternating direct-to-worker and through-the-router requests so both see the same
    machine noise. Reported: p50/p99 of each and the difference. Target: p99 added <= 2 ms.

@@ -78,14 +78,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_route, bench_ingest
 
 from bench_route import WORKERS, Client, build_stream, pct, spawn, wait
+from dynamo_peer import BS, MODEL, dynamo_scores, dynamo_stored, dynamo_version, start_dynamo, stop
 
 from indexer.events import BlockStored, EngineHash
 
 HERE = Path(__file__).resolve().parent
 
-BS = 16
 QUERY_TOKENS = 4096
-MODEL = "default"  # Dynamo's indexer key (--model-name); /query must name it
 WARMUP = 300
 JOIN_TOKEN = 60_000  # sentinel token ids: above every document token (< 50,000)
 END_TOKEN = 61_000
@@ -131,87 +130,6 @@ def sentinel(token: int) -> tuple[BlockStored, list[int]]:
     return BlockStored([_content_hash(None, tokens)], None, tokens, BS), tokens
 
 
-# --------------------------------------------------------------------------- Dynamo
-
-
-def free_port() -> int:
-    """A port the kernel considers free now (Dynamo's --port 0 binds, but never says which)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_dynamo(
-    python: str, spec: str, threads: int | None, log: IO[bytes]
-) -> tuple[subprocess.Popen[bytes], str]:
-    extra = [] if threads is None else ["--threads", str(threads)]
-    for _ in range(3):  # another process may take the port between our probe and its bind
-        port = free_port()
-        args = [python, "-m", "dynamo.indexer", "--port", str(port), "--block-size", str(BS),
-                "--model-name", MODEL, "--workers", spec, *extra]  # fmt: skip
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            if _healthy(proc, url, 60):
-                return proc, url
-        except BaseException:
-            _stop(proc)
-            raise
-        _stop(proc)
-    raise SystemExit("Dynamo's indexer did not start")
-
-
-def _healthy(proc: subprocess.Popen[bytes], url: str, timeout: float) -> bool:
-    """``GET /health`` answers 200 before ``timeout``; False once the process has exited."""
-    deadline = time.monotonic() + timeout
-    while proc.poll() is None and time.monotonic() < deadline:
-        try:
-            c = Client(url)
-        except OSError:  # not listening yet
-            time.sleep(0.05)
-            continue
-        try:
-            if c.call("GET", "/health")[0] == 200:
-                return True
-        finally:
-            c.sock.close()
-    return False
-
-
-def dynamo_scores(c: Client, tokens: list[int]) -> dict[int, int]:
-    """``/query`` per-worker overlap in blocks (Dynamo answers matched tokens, dp rank 0 here)."""
-    body = json.dumps({"token_ids": tokens, "model_name": MODEL}).encode()
-    status, data, _ = c.call("POST", "/query", body)
-    if status != 200:
-        raise SystemExit(f"Dynamo /query answered {status}: {data[:300]!r}")
-    out = {}
-    for wid, ranks in json.loads(data)["scores"].items():
-        toks = ranks.get("0", 0)
-        if toks % BS:
-            raise SystemExit(f"Dynamo scored worker {wid} {toks} tokens, not whole blocks")
-        out[int(wid)] = toks // BS
-    return out
-
-
-def dynamo_stored(c: Client) -> dict[str, int]:
-    """Dynamo's ``kv_cache_events_applied`` counter for stores, by outcome."""
-    out: dict[str, int] = {}
-    prefix = 'dynamo_kvrouter_kv_cache_events_applied{event_type="stored",status="'
-    for line in c.call("GET", "/metrics")[1].decode().splitlines():
-        if line.startswith(prefix):
-            status = line[len(prefix) :].split('"', 1)[0]
-            out[status] = int(float(line.rsplit(" ", 1)[1]))
-    return out
-
-
-def dynamo_version(python: str) -> str:
-    code = "import importlib.metadata as m; print(m.version('ai-dynamo-runtime'))"
-    r = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60)
-    return r.stdout.strip() or "?"
-
-
 # --------------------------------------------------------------------------- router
 
 
@@ -231,16 +149,6 @@ def router_matched(c: Client, body: bytes) -> dict[int, int]:
 
 
 # --------------------------------------------------------------------------- benchmark
-
-
-def _stop(proc: subprocess.Popen[Any]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(30)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -418,7 +326,7 @@ def _bench(args: argparse.Namespace, log: IO[bytes]) -> dict[str, Any]:
         for c in clients:
             c.sock.close()
         for proc in reversed(procs):
-            _stop(proc)
+            stop(proc)
         for p in pubs:
             p.close(0)
         ctx.term()
