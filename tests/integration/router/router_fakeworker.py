@@ -1,4 +1,5 @@
-"""A small but real inference worker for the router's tests, and helpers to run servers.
+"""A small but real inference worker for the router's tests (the server helpers it re-exports
+are ``router_servers``'s).
 
 ``FakeWorker`` is a uvicorn app on 127.0.0.1 port 0 that answers ``/v1/completions`` and
 ``/v1/chat/completions`` (streaming SSE and not, with ``usage.prompt_tokens_details.cached_tokens``
@@ -17,12 +18,12 @@ import contextlib
 import json
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import uvicorn
 import zmq
 import zmq.asyncio
+from router_servers import ServerHandle, wait_for
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -36,62 +37,12 @@ from indexer.wire import (
     encode_replay_end,
     encode_replay_reply,
 )
-from router.http import RouterServer, server_config
 from router.tokenize import render_byte_chat
+
+__all__ = ["LOCAL", "FakeWorker", "ServerHandle", "engine_hash", "wait_for"]
 
 LOCAL = "tcp://127.0.0.1"
 _M63 = (1 << 63) - 1
-
-
-async def wait_for(cond: Callable[[], Any], timeout: float = 20.0, what: str = "") -> None:
-    """Poll ``cond`` until it holds; fail after ``timeout`` seconds (never sleep for state)."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what or cond}")
-        await asyncio.sleep(0.005)
-
-
-class ServerHandle:
-    """A uvicorn server on 127.0.0.1, port 0, in the running event loop. A router app
-    (``router=True``) is served with ``router.http``'s config, as ``kvrouter serve`` does."""
-
-    def __init__(self, app: Any, *, router: bool = False, **config: Any) -> None:
-        kw: dict[str, Any] = dict(
-            host="127.0.0.1",
-            port=0,
-            log_level="warning",
-            lifespan="on",
-            access_log=False,
-            timeout_graceful_shutdown=2,
-        )
-        kw.update(config)
-        self.scheme = "https" if kw.get("ssl_certfile") else "http"
-        config = server_config(app, **kw) if router else uvicorn.Config(app, **kw)
-        self.server = RouterServer(config) if router else uvicorn.Server(config)
-        self.task: asyncio.Task[None] | None = None
-        self.port = 0
-
-    async def start(self) -> ServerHandle:
-        self.task = asyncio.create_task(self.server.serve())
-        await wait_for(lambda: self.server.started or self.task.done(), 30, "uvicorn start")
-        if self.task.done():
-            self.task.result()
-            raise AssertionError("uvicorn exited at start")
-        self.port = self.server.servers[0].sockets[0].getsockname()[1]
-        return self
-
-    @property
-    def url(self) -> str:
-        return f"{self.scheme}://127.0.0.1:{self.port}"
-
-    async def stop(self) -> None:
-        if self.task is None:
-            return
-        self.server.should_exit = True
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait_for(self.task, 30)
-        self.task = None
 
 
 def engine_hash(tokens: Sequence[int], upto: int) -> int:
