@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import time
-import uuid
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -37,9 +37,19 @@ class AccessLog:
         if given is not None and _ID.fullmatch(given):
             rid = given
         else:
-            rid = uuid.uuid4().hex.encode()
+            rid = os.urandom(16).hex().encode()  # as random as a uuid4, a quarter of its cost
             headers = [(k, v) for k, v in scope["headers"] if k != b"x-request-id"]
             scope = {**scope, "headers": [*headers, (b"x-request-id", rid)]}
+        if not log.isEnabledFor(logging.INFO):  # no line to write: only the id to echo
+
+            async def send_id(message: Message) -> None:
+                if message["type"] == "http.response.start":
+                    headers = [*message.get("headers", ()), (b"x-request-id", rid)]
+                    message = {**message, "headers": headers}
+                await send(message)
+
+            await self.app(scope, receive, send_id)
+            return
         t0 = time.perf_counter()
         seen: dict[str, Any] = {"status": 0, "worker": "", "bytes": 0, "ttfb": None}
 

@@ -283,20 +283,26 @@ async def test_unfinished_oversized_head_is_refused(router) -> None:
     assert answer.startswith(b"HTTP/1.1 400 ") or answer == b"", answer[:80]
 
 
-async def test_request_id_echoed_forwarded_and_logged(router, raw, http, caplog) -> None:
+@pytest.mark.parametrize("level", ["INFO", "WARNING"])
+async def test_request_id_echoed_forwarded_and_logged(router, raw, http, caplog, level) -> None:
+    """With the access log on (INFO) and off: the id is echoed, forwarded and generated alike."""
     w = await raw(fixed(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}"))
     r = await routed(router, [("w", w)])
-    caplog.set_level("INFO", logger="kvrouter.access")
+    caplog.set_level(level, logger="kvrouter.access")
     resp = await http.post(
         r.url + "/v1/completions", json={"prompt": "x"}, headers={"x-request-id": "abc-123"}
     )
     assert resp.headers["x-request-id"] == "abc-123"
     assert b"x-request-id: abc-123\r\n" in w.heads[-1].lower()  # forwarded to the worker
-    made = await http.get(r.url + "/health")
-    assert len(made.headers["x-request-id"]) == 32  # generated
+    made = await http.post(r.url + "/v1/completions", json={"prompt": "x"})
+    rid = made.headers["x-request-id"]  # generated, forwarded
+    assert len(rid) == 32 and b"x-request-id: %s\r\n" % rid.encode() in w.heads[-1].lower()
     bad = await http.get(r.url + "/health", headers={"x-request-id": "no spaces allowed"})
     assert bad.headers["x-request-id"] != "no spaces allowed"
     lines = [rec for rec in caplog.records if rec.name == "kvrouter.access"]
+    if level == "WARNING":
+        assert not lines
+        return
     proxied = [rec.access for rec in lines if rec.access["request_id"] == "abc-123"]  # type: ignore[attr-defined]
     assert proxied and proxied[0]["status"] == 200 and proxied[0]["worker"] == "w"
     assert proxied[0]["path"] == "/v1/completions" and proxied[0]["bytes"] == 2
