@@ -9,7 +9,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
+
+from tests.waiting import poll
 
 ROOT = Path(__file__).resolve().parents[2]
 BS = 16
@@ -27,17 +28,6 @@ pytestmark = pytest.mark.slow
 def _command() -> list[str]:
     script = Path(sys.executable).with_name("kvrouter")
     return [str(script)] if script.exists() else [sys.executable, "-m", "kvrouter"]
-
-
-def _poll(cond: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
 
 
 # sim, and the torch runner with its default tiny random model on CPU (real KV, same contract)
@@ -72,7 +62,7 @@ def fleet(
             except httpx.HTTPError:
                 return False
 
-        _poll(ready, 60, "router ready")
+        poll(ready, 60, "router ready")
         yield url, proc
     finally:
         if proc.poll() is None:
@@ -128,7 +118,7 @@ def test_multi_turn_chat_stays_on_the_worker_that_holds_its_prefix(
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(30) == 0
     with pytest.raises(ProcessLookupError):  # signal 0 to the group: raises once it is empty
-        _poll(lambda: os.killpg(proc.pid, 0), 15, "every child gone")
+        poll(lambda: os.killpg(proc.pid, 0), 15, "every child gone")
 
 
 def test_a_dying_engine_stops_the_whole_fleet(tmp_path: Path) -> None:
@@ -156,7 +146,7 @@ def test_a_dying_engine_stops_the_whole_fleet(tmp_path: Path) -> None:
         rest = proc.stderr.read()
         assert "engine-0 exited" in rest and "stopping" in rest
         with pytest.raises(ProcessLookupError):  # the router went down with it
-            _poll(lambda: os.killpg(proc.pid, 0), 15, "every child gone")
+            poll(lambda: os.killpg(proc.pid, 0), 15, "every child gone")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

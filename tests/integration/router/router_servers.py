@@ -6,24 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
-from collections.abc import Callable
 from typing import Any
 
 import uvicorn
 
 from router.http import RouterServer, server_config
+from tests.waiting import wait_for
 
 __all__ = ["ServerHandle", "wait_for"]
-
-
-async def wait_for(cond: Callable[[], Any], timeout: float = 20.0, what: str = "") -> None:
-    """Poll ``cond`` until it holds; fail after ``timeout`` seconds (never sleep for state)."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what or cond}")
-        await asyncio.sleep(0.005)
 
 
 class ServerHandle:

@@ -20,7 +20,6 @@ import re
 import signal
 import subprocess
 import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -28,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.waiting import poll
 
 ROUTER_IMAGE = os.environ.get("KVROUTER_IMAGE", "localhost/kvrouter:ci")
 ENGINE_IMAGE = os.environ.get("KVROUTER_ENGINE_IMAGE", "localhost/kvrouter-engine:ci")
@@ -101,17 +102,6 @@ def http(url: str, body: dict[str, Any] | None = None) -> tuple[int, dict[str, s
             return resp.status, dict(resp.headers), resp.read()
     except urllib.error.HTTPError as e:
         return e.code, dict(e.headers), e.read()
-
-
-def poll(cond: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.1)
 
 
 def start(fs: Rootfs, *cmd: str, pattern: str, env: dict[str, str] | None = None) -> Any:

@@ -19,30 +19,19 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 import yaml
 
+from tests.waiting import poll
+
 ROOT = Path(__file__).resolve().parents[3]
 OBS = ROOT / "deploy" / "observability"
 ADMIN_KEY = "stage-admin-key"
 RATE_INTERVAL = "1m"
-
-
-def _poll(cond: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.2)
 
 
 def _free_port() -> int:
@@ -132,7 +121,7 @@ def prometheus(
             except httpx.HTTPError:
                 return False
 
-        _poll(ready, 60, "Prometheus to start")
+        poll(ready, 60, "Prometheus to start", every=0.2)
         yield api
     finally:
         proc.terminate()
@@ -213,7 +202,7 @@ def test_every_dashboard_query_and_rule_returns_data(
             return not pending
 
         try:
-            _poll(all_answered, 150, "every query to return data")
+            poll(all_answered, 150, "every query to return data", every=0.2)
         except AssertionError:
             lines = "\n".join(f"  {w}: {e}" for e, w in empty.items())
             raise AssertionError(f"queries that returned nothing:\n{lines}") from None

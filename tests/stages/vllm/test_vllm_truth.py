@@ -11,13 +11,14 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+
+from tests.waiting import poll
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_model import make_tiny_llama, words
@@ -34,17 +35,6 @@ def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _poll(cond: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.1)
 
 
 class Vllm:
@@ -83,7 +73,7 @@ class Vllm:
             except httpx.HTTPError:
                 return False
 
-        _poll(up, 300, "vLLM to start")
+        poll(up, 300, "vLLM to start")
 
     def stop(self, final: bool = False) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -139,7 +129,7 @@ def test_prediction_equals_vllms_cached_tokens_with_page_rounding(fleet) -> None
     prompt = words(200, seed=1)  # 200 tokens: 12 router blocks, 6 whole vLLM pages (192)
     assert matched_tokens(url, prompt) == 0
     complete(url, prompt)
-    _poll(lambda: matched_tokens(url, prompt) > 0, 30, "the stored blocks to reach the index")
+    poll(lambda: matched_tokens(url, prompt) > 0, 30, "the stored blocks to reach the index")
     predicted = matched_tokens(url, prompt)
     again = complete(url, prompt)
     assert predicted == cached(again) == 192, (predicted, again["usage"])
@@ -161,11 +151,11 @@ def test_cache_salt_separates_tenants(fleet) -> None:
     _, url = fleet
     prompt = words(160, seed=3)
     complete(url, prompt)
-    _poll(lambda: matched_tokens(url, prompt) > 0, 30, "unsalted blocks indexed")
+    poll(lambda: matched_tokens(url, prompt) > 0, 30, "unsalted blocks indexed")
     assert matched_tokens(url, prompt, cache_salt="tenant-a") == 0
     salted = complete(url, prompt, cache_salt="tenant-a")
     assert cached(salted) == 0  # vLLM agrees: another tenant's cache is not theirs
-    _poll(lambda: matched_tokens(url, prompt, cache_salt="tenant-a") > 0, 30, "salted indexed")
+    poll(lambda: matched_tokens(url, prompt, cache_salt="tenant-a") > 0, 30, "salted indexed")
     assert matched_tokens(url, prompt, cache_salt="tenant-b") == 0
 
 
@@ -185,23 +175,23 @@ def test_reset_prefix_cache_clears_the_worker(fleet) -> None:
     vllm, url = fleet
     prompt = words(100, seed=4)
     complete(url, prompt)
-    _poll(lambda: matched_tokens(url, prompt) > 0, 30, "blocks indexed")
+    poll(lambda: matched_tokens(url, prompt) > 0, 30, "blocks indexed")
     assert httpx.post(vllm.url + "/reset_prefix_cache", timeout=30).status_code == 200
     complete(url, words(8, seed=5))  # AllBlocksCleared goes out at vLLM's next engine step
-    _poll(lambda: matched_tokens(url, prompt) == 0, 30, "AllBlocksCleared applied")
+    poll(lambda: matched_tokens(url, prompt) == 0, 30, "AllBlocksCleared applied")
 
 
 def test_restarted_vllm_is_not_routed_on_its_old_cache(fleet) -> None:
     vllm, url = fleet
     prompt = words(300, seed=6)
     complete(url, prompt)
-    _poll(lambda: matched_tokens(url, prompt) > 0, 30, "blocks indexed")
+    poll(lambda: matched_tokens(url, prompt) > 0, 30, "blocks indexed")
     vllm.stop()
     vllm.start()  # same ports, a new process: seq starts again at 0
     # the health checks see it back, then the new process publishes (and the router reconnects)
-    _poll(lambda: httpx.get(url + "/ready").status_code == 200, 60, "worker healthy again")
+    poll(lambda: httpx.get(url + "/ready").status_code == 200, 60, "worker healthy again")
     complete(url, words(8, seed=7))
-    _poll(lambda: matched_tokens(url, prompt) == 0, 60, "the old process's blocks dropped")
+    poll(lambda: matched_tokens(url, prompt) == 0, 60, "the old process's blocks dropped")
     again = complete(url, prompt)
     assert cached(again) == 0
 
@@ -221,7 +211,7 @@ def _router(vllm: Vllm, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
     proc.stdout.close()
     assert "listening on" in line, vllm.log.with_name("router.log").read_text()[-3000:]
     url = line.rsplit(" ", 1)[1].strip()
-    _poll(lambda: httpx.get(url + "/ready").status_code == 200, 60, "router ready")
+    poll(lambda: httpx.get(url + "/ready").status_code == 200, 60, "router ready")
     return proc, url
 
 
@@ -235,7 +225,7 @@ def test_snapshot_resume_meets_a_restarted_vllm(fleet, tmp_path) -> None:
     first, url = _router(vllm, "--config", str(cfg))
     try:
         complete(url, prompt)
-        _poll(lambda: matched_tokens(url, prompt) > 0, 30, "blocks indexed")
+        poll(lambda: matched_tokens(url, prompt) > 0, 30, "blocks indexed")
     finally:
         os.killpg(first.pid, signal.SIGTERM)  # writes the snapshot on the way out
         first.wait(60)
@@ -244,7 +234,7 @@ def test_snapshot_resume_meets_a_restarted_vllm(fleet, tmp_path) -> None:
     vllm.start()
     second, url = _router(vllm, "--config", str(cfg))
     try:
-        _poll(lambda: matched_tokens(url, prompt) == 0, 60, "the snapshot's stale blocks dropped")
+        poll(lambda: matched_tokens(url, prompt) == 0, 60, "the snapshot's stale blocks dropped")
         w = httpx.get(url + "/workers", headers=AUTH).json()["workers"][0]
         assert w["ranks"][0]["subscriber"]["restarts"] >= 1
     finally:
@@ -262,7 +252,7 @@ def test_page_128_credit_is_whole_pages(tmp_path) -> None:
         try:
             prompt = words(300, seed=10)  # 300 tokens: 18 router blocks, 2 whole pages (256)
             complete(url, prompt)
-            _poll(lambda: matched_tokens(url, prompt) > 0, 30, "the stored pages indexed")
+            poll(lambda: matched_tokens(url, prompt) > 0, 30, "the stored pages indexed")
             predicted = matched_tokens(url, prompt)
             again = complete(url, prompt)
             assert predicted == cached(again) == 256, (predicted, again["usage"])
@@ -314,25 +304,25 @@ def test_duplicate_store_outlives_one_removal(tmp_path) -> None:
             # Requests go to vLLM directly: the router learns of them from events only, with no
             # prediction of its own to cover a block it dropped. The subscription is live once
             # a request's events arrive on it.
-            _poll(lambda: (complete(vllm.url, words(40, seed=20)), drain())[1], 30, "events on SUB")
+            poll(lambda: (complete(vllm.url, words(40, seed=20)), drain())[1], 30, "events on SUB")
             prompt = words(96, seed=21)  # exactly 3 pages
             first = complete(vllm.url, prompt)
             assert first["usage"]["prompt_tokens"] == 96
-            _poll(lambda: (drain(), matched_tokens(url, prompt) == 96)[1], 30, "pages indexed")
+            poll(lambda: (drain(), matched_tokens(url, prompt) == 96)[1], 30, "pages indexed")
             assert cached(complete(vllm.url, prompt)) == 64  # the last page is recomputed...
-            _poll(lambda: (drain(), 2 in stored.values())[1], 30, "the duplicate BlockStored")
+            poll(lambda: (drain(), 2 in stored.values())[1], 30, "the duplicate BlockStored")
             (last,) = [h for h, n in stored.items() if n == 2]  # ...and stored a second time
             # fill the cache until vLLM evicts one of the two copies
             # (one filler at a time, each waited for: a second filler could evict the other copy)
             for i in range(48):
                 before = len(stored)
                 complete(vllm.url, words(40, seed=30 + i))  # one new full page: one eviction
-                _poll(lambda b=before: (drain(), len(stored) > b)[1], 30, "the filler's page")
+                poll(lambda b=before: (drain(), len(stored) > b)[1], 30, "the filler's page")
                 if removed.get(last):
                     break
             assert removed.get(last) == 1, (stored, removed)
             longer = words(116, seed=21)  # the prompt plus 20 tokens: all 3 pages reusable
-            _poll(lambda: (drain(), matched_tokens(url, longer) == 96)[1], 10, "router agrees")
+            poll(lambda: (drain(), matched_tokens(url, longer) == 96)[1], 10, "router agrees")
             assert cached(complete(vllm.url, longer)) == 96  # vLLM still held the page
         finally:
             os.killpg(router.pid, signal.SIGTERM)

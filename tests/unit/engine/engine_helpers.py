@@ -10,7 +10,6 @@ import random
 import shutil
 import socket
 import subprocess
-import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,24 +23,9 @@ from engine.sequence import Request
 from indexer.events import EventBatch
 from indexer.index import PrefixIndex
 from indexer.wire import decode_message
+from tests.waiting import poll, wait_for
 
 BS = 16
-
-
-async def wait_for(cond: Callable[[], Any], timeout: float = 20.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what or cond}")
-        await asyncio.sleep(0.005)
-
-
-def wait_for_sync(cond: Callable[[], Any], timeout: float = 20.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what or cond}")
-        time.sleep(0.002)
 
 
 def make_engine(**kw: Any) -> LLMEngine:
@@ -86,7 +70,7 @@ class Collector:
             self.drain(10)
             return bool(self.batches) and self.batches[-1].seq >= seq
 
-        wait_for_sync(ok, timeout, f"published seq {seq}")
+        poll(ok, timeout, f"published seq {seq}", every=0.002)
 
     def close(self) -> None:
         self.sock.close(0)
@@ -100,7 +84,7 @@ def connected(pub: Any, col: Collector, probe: Callable[[], None]) -> None:
         probe()
         return bool(col.drain(20))
 
-    wait_for_sync(ok, 20, "subscriber connected")
+    poll(ok, 20, "subscriber connected", every=0.002)
 
 
 def index_of(batches: list[EventBatch], worker: str = "w") -> PrefixIndex:
@@ -141,7 +125,7 @@ def redis_server(tmp: Path) -> Iterator[str]:
                 except redis.RedisError:
                     return False
 
-            wait_for_sync(up, 20, "redis-server up")
+            poll(up, 20, "redis-server up", every=0.002)
             client.close()
             if proc.poll() is None:
                 yield f"redis://127.0.0.1:{port}/0"

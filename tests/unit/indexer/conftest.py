@@ -14,7 +14,8 @@ import zmq.asyncio
 
 from indexer.index import PrefixIndex, WorkerKey
 from indexer.subscriber import Subscriber, WorkerEndpoint
-from tests.unit.indexer.kv_publisher import EventPublisher, StreamGen, wait_for
+from tests.unit.indexer.kv_publisher import EventPublisher, StreamGen
+from tests.waiting import wait_for
 
 
 @pytest.fixture

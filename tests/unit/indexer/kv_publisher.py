@@ -12,7 +12,7 @@ import contextlib
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import zmq
@@ -32,15 +32,6 @@ from indexer.wire.frames import END_SEQ, pack_seq
 
 BLOCK = 16
 LOCAL = "tcp://127.0.0.1"
-
-
-async def wait_for(cond: Callable[[], bool], timeout: float = 20.0, what: str = "") -> None:
-    """Poll ``cond`` until it holds; fail the test after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what or cond}")
-        await asyncio.sleep(0.005)
 
 
 class StreamGen:

@@ -15,7 +15,8 @@ from indexer.events import BlockRemoved, BlockStored, Event
 from indexer.index import MAX_UNKNOWN_MEDIUMS, PrefixIndex
 from indexer.subscriber import Subscriber
 from tests.unit.indexer.conftest import caught_up, endpoint, started
-from tests.unit.indexer.kv_publisher import BLOCK, EventPublisher, wait_for
+from tests.unit.indexer.kv_publisher import BLOCK, EventPublisher
+from tests.waiting import wait_for
 
 KEY = ("w0", 0)
 

@@ -24,8 +24,8 @@ from tests.unit.indexer.kv_publisher import (
     assert_same_index,
     dp_publishers,
     reference,
-    wait_for,
 )
+from tests.waiting import wait_for
 
 
 def count_events(batches: list[EventBatch], kind: type) -> int:

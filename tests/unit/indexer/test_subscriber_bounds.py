@@ -11,7 +11,8 @@ from indexer.events import BlockStored
 from indexer.index import PrefixIndex
 from indexer.wire import encode_message, encode_payload
 from tests.unit.indexer.conftest import caught_up, endpoint, started, sync_live
-from tests.unit.indexer.kv_publisher import BLOCK, EventPublisher, wait_for
+from tests.unit.indexer.kv_publisher import BLOCK, EventPublisher
+from tests.waiting import wait_for
 
 KEY = ("w0", 0)
 

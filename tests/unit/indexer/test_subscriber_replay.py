@@ -21,8 +21,8 @@ from tests.unit.indexer.kv_publisher import (
     StreamGen,
     assert_same_index,
     reference,
-    wait_for,
 )
+from tests.waiting import wait_for
 
 
 @pytest.mark.parametrize("topic_in_replies", [True, False], ids=["topic-layout", "old-layout"])

@@ -17,8 +17,8 @@ from tests.unit.indexer.kv_publisher import (
     StreamGen,
     assert_same_index,
     reference,
-    wait_for,
 )
+from tests.waiting import wait_for
 
 KEY = ("w0", 0)
 
