@@ -60,27 +60,34 @@ router/Dynamo ratios per round and their median. On the 2-vCPU dev VM identical 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
+import os
 import random
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from array import array
 from pathlib import Path
 from typing import IO, Any
-
-import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: indexer
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_route, bench_ingest
 
 from bench_route import WORKERS, Client, build_stream, pct, spawn, wait
-from dynamo_peer import BS, MODEL, dynamo_scores, dynamo_stored, dynamo_version, start_dynamo, stop
+from dynamo_peer import (
+    BS,
+    MODEL,
+    content_addressed,
+    dynamo_scores,
+    dynamo_stored,
+    dynamo_version,
+    sentinel,
+    start_dynamo,
+    stop,
+)
 
-from indexer.events import BlockStored, EngineHash
+from indexer.events import BlockStored
 
 HERE = Path(__file__).resolve().parent
 
@@ -88,46 +95,6 @@ QUERY_TOKENS = 4096
 WARMUP = 300
 JOIN_TOKEN = 60_000  # sentinel token ids: above every document token (< 50,000)
 END_TOKEN = 61_000
-
-
-# --------------------------------------------------------------------------- stream
-
-
-def _content_hash(parent: int | None, tokens: list[int]) -> int:
-    h = hashlib.blake2b(digest_size=8)
-    h.update(b"root" if parent is None else parent.to_bytes(8, "little"))
-    h.update(array("q", tokens).tobytes())
-    return int.from_bytes(h.digest(), "little")
-
-
-def content_addressed(streams: list[list[list[Any]]]) -> list[list[list[Any]]]:
-    """The same events with content-derived block hashes (same tokens, same parent -> same hash,
-    on every worker), as vLLM publishes them with a fixed hash seed."""
-    out = []
-    for stream in streams:
-        new_of: dict[EngineHash, int] = {}
-        batches = []
-        for batch in stream:
-            events = []
-            for ev in batch:
-                assert isinstance(ev, BlockStored), ev
-                parent = None if ev.parent_block_hash is None else new_of[ev.parent_block_hash]
-                prev, hashes = parent, []
-                for i, old in enumerate(ev.block_hashes):
-                    prev = _content_hash(prev, ev.token_ids[i * BS : (i + 1) * BS])
-                    new_of[old] = prev
-                    hashes.append(prev)
-                events.append(
-                    msgspec.structs.replace(ev, block_hashes=hashes, parent_block_hash=parent)
-                )
-            batches.append(events)
-        out.append(batches)
-    return out
-
-
-def sentinel(token: int) -> tuple[BlockStored, list[int]]:
-    tokens = [token] * BS
-    return BlockStored([_content_hash(None, tokens)], None, tokens, BS), tokens
 
 
 # --------------------------------------------------------------------------- router
@@ -388,6 +355,15 @@ def main() -> None:
         r99 = statistics.median(x[1] for x in ratios)
         each = "  ".join(f"{a:.2f}/{b:.2f}" for a, b in ratios)
         print(f"{short[t] + ' / Dynamo':<28}{r50:>10.2f}{r99:>10.2f}   {each}")
+    if args.floors:  # the router's own cost: above the floor of the parser it runs on
+        http = os.environ.get("KVROUTER_SERVER__HTTP", "h11")
+        floor = per[names[2] if http == "h11" else names[3]]
+        over = [(a[0] - b[0], a[1] - b[1]) for a, b in zip(per[names[0]], floor)]
+        o50 = statistics.median(x[0] for x in over)
+        o99 = statistics.median(x[1] for x in over)
+        each = "  ".join(f"{a * us:.0f}/{b * us:.0f}" for a, b in over)
+        label = f"router - {http} floor"
+        print(f"{label:<28}{o50 * us:>8.0f}us{o99 * us:>8.0f}us   {each}")
     print(
         "(each column: the median over rounds; ratios per round, the same round's noise for both)"
     )

@@ -1,15 +1,21 @@
 """NVIDIA Dynamo's standalone KV indexer as ``bench_vs_dynamo.py``'s peer: started from its own
 virtual environment (never a dependency of this repository), probed for health, asked ``/query``
-and ``/metrics``. Its ``--block-size`` and ``--model-name`` are ``BS`` and ``MODEL``."""
+and ``/metrics``, and fed events whose block hashes derive from content, as vLLM's do
+(``content_addressed``). Its ``--block-size`` and ``--model-name`` are ``BS`` and ``MODEL``."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import time
+from array import array
 from typing import IO, Any
 
+import msgspec
 from bench_route import Client
+
+from indexer.events import BlockStored, EngineHash
 
 BS = 16
 MODEL = "default"  # Dynamo's indexer key (--model-name); /query must name it
@@ -101,3 +107,40 @@ def stop(proc: subprocess.Popen[Any]) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(30)
+
+
+def _content_hash(parent: int | None, tokens: list[int]) -> int:
+    h = hashlib.blake2b(digest_size=8)
+    h.update(b"root" if parent is None else parent.to_bytes(8, "little"))
+    h.update(array("q", tokens).tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+def content_addressed(streams: list[list[list[Any]]]) -> list[list[list[Any]]]:
+    """The same events with content-derived block hashes (same tokens, same parent -> same hash,
+    on every worker), as vLLM publishes them with a fixed hash seed."""
+    out = []
+    for stream in streams:
+        new_of: dict[EngineHash, int] = {}
+        batches = []
+        for batch in stream:
+            events = []
+            for ev in batch:
+                assert isinstance(ev, BlockStored), ev
+                parent = None if ev.parent_block_hash is None else new_of[ev.parent_block_hash]
+                prev, hashes = parent, []
+                for i, old in enumerate(ev.block_hashes):
+                    prev = _content_hash(prev, ev.token_ids[i * BS : (i + 1) * BS])
+                    new_of[old] = prev
+                    hashes.append(prev)
+                events.append(
+                    msgspec.structs.replace(ev, block_hashes=hashes, parent_block_hash=parent)
+                )
+            batches.append(events)
+        out.append(batches)
+    return out
+
+
+def sentinel(token: int) -> tuple[BlockStored, list[int]]:
+    tokens = [token] * BS
+    return BlockStored([_content_hash(None, tokens)], None, tokens, BS), tokens
