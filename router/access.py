@@ -44,8 +44,7 @@ class AccessLog:
 
             async def send_id(message: Message) -> None:
                 if message["type"] == "http.response.start":
-                    headers = [*message.get("headers", ()), (b"x-request-id", rid)]
-                    message = {**message, "headers": headers}
+                    message = _with_id(message, message.get("headers", ()), rid)
                 await send(message)
 
             await self.app(scope, receive, send_id)
@@ -60,7 +59,7 @@ class AccessLog:
                 for k, v in headers:
                     if k == b"x-kvrouter-worker":
                         seen["worker"] = v.decode("ascii", "replace")
-                message = {**message, "headers": [*headers, (b"x-request-id", rid)]}
+                message = _with_id(message, headers, rid)
             elif message["type"] == "http.response.body":
                 body = message.get("body", b"")
                 if body and seen["ttfb"] is None:
@@ -89,6 +88,11 @@ class AccessLog:
                     fields,
                     extra={"access": fields},
                 )
+
+
+def _with_id(start: Message, headers: Any, rid: bytes) -> Message:
+    """The response start ``start`` with ``headers`` and the request id."""
+    return {**start, "headers": [*headers, (b"x-request-id", rid)]}
 
 
 class JsonFormatter(logging.Formatter):

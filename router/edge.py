@@ -23,12 +23,11 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from router.errors import MethodNotAllowed, RouterError, error_json
+from router.errors import MethodNotAllowed, RouterError, error_response
 
 __all__ = ["RouterApp"]
 
 log = logging.getLogger("kvrouter.app")
-_JSON = (b"content-type", b"application/json")
 
 
 class RouterApp:
@@ -54,16 +53,15 @@ class RouterApp:
         elif scope["method"] != "POST":
             self.state.kv.metrics.rejected.labels("405").inc()
             err = MethodNotAllowed(f"{scope['path']} takes POST")
-            await _answer(send, err, [(b"allow", b"POST")])
+            await _answer(scope, receive, send, err, {"allow": "POST"})
         else:
             await _guarded(endpoint, scope, receive, send)
 
 
-async def _answer(send: Send, err: RouterError, headers: list[Any] | None = None) -> None:
-    body = error_json(err.message, err.type)
-    head = [_JSON, (b"content-length", str(len(body)).encode()), *(headers or ())]
-    await send({"type": "http.response.start", "status": err.status, "headers": head})
-    await send({"type": "http.response.body", "body": body})
+async def _answer(
+    scope: Scope, receive: Receive, send: Send, err: RouterError, headers: Any = None
+) -> None:
+    await error_response(err.status, err.message, err.type, headers)(scope, receive, send)
 
 
 async def _guarded(endpoint: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
@@ -80,4 +78,4 @@ async def _guarded(endpoint: ASGIApp, scope: Scope, receive: Receive, send: Send
         log.exception("unhandled error on %s %s", scope["method"], scope["path"])
         if started:
             raise
-        await _answer(send, RouterError("internal router error"))
+        await _answer(scope, receive, send, RouterError("internal router error"))

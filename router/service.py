@@ -31,6 +31,7 @@ from router.errors import BadRequest, Conflict, NoHealthyWorker, NotFound
 from router.flight import RouteAccounts
 from router.load import LoadTracker, Ticket
 from router.metrics import RouterMetrics, StateCollector, WorkerSample, register_process_metrics
+from router.pods import PodNotUsable, fetch_sources, sources_to_endpoints
 from router.predict import PredictedBlocks
 from router.registry import Registry, WorkerState
 from router.scoring import Candidate, ScoreWeights, rank
@@ -176,8 +177,6 @@ class RouterState:
     async def _with_event_sources(self, cfg: WorkerConfig) -> WorkerConfig:
         """``cfg`` with the event endpoints the worker publishes on, from its
         ``GET /kv_event_sources`` (vLLM): a configured URL is the only one called."""
-        from router.pods import PodNotUsable, fetch_sources, sources_to_endpoints
-
         host = urlsplit(cfg.url).hostname or ""
         timeout = self.settings.health.timeout_s
         try:
