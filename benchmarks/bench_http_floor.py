@@ -93,22 +93,32 @@ def serve(upstream: str | None) -> None:
 
 def serve_asgi(http: str) -> None:
     """The fixed answer from a bare ASGI app on uvicorn (``http``: its h11 or httptools
-    protocol), configured as ``router.http.server_config`` configures the router's."""
-    import uvicorn
+    protocol), served as the router is: ``router.http.server_config`` (default settings) and
+    ``RouterServer``."""
+    from types import SimpleNamespace
+
     import uvloop
 
-    async def app(scope: dict, receive: Any, send: Any) -> None:
-        while (await receive()).get("more_body"):
-            pass
-        head = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(ANSWER))]
-        await send({"type": "http.response.start", "status": 200, "headers": head})
-        await send({"type": "http.response.body", "body": ANSWER})
+    from router.http import RouterServer, server_config
+    from router.settings import load_settings
 
-    config = uvicorn.Config(
-        app, host="127.0.0.1", port=0, http=http, ws="none", lifespan="off",
-        server_header=False, access_log=False, log_level="warning",
-    )  # fmt: skip
-    server = uvicorn.Server(config)
+    class Floor:
+        state = SimpleNamespace(settings=load_settings(environ={}))
+
+        async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+            while (await receive()).get("more_body"):
+                pass
+            head = [
+                (b"content-type", b"application/json"),
+                (b"content-length", b"%d" % len(ANSWER)),
+            ]
+            await send({"type": "http.response.start", "status": 200, "headers": head})
+            await send({"type": "http.response.body", "body": ANSWER})
+
+    config = server_config(
+        Floor(), host="127.0.0.1", port=0, http=http, lifespan="off", log_level="warning"
+    )
+    server = RouterServer(config)
 
     async def main() -> None:
         task = asyncio.ensure_future(server.serve())
