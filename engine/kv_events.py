@@ -2,18 +2,22 @@
 
 Producers append normalized :mod:`indexer.events` structs as state changes *have happened* (a block
 computed, a copy completed, a block evicted); the engine drains the log after each step and hands
-it to the publisher as one batch. Medium strings are the canonical tier names.
+it to the publisher as one batch. Tier/medium strings are the canonical tier names,
+:data:`indexer.events.CANONICAL_TIERS` (the one list; the engine keeps no copy), checked here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from indexer.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from indexer.events import CANONICAL_TIERS, AllBlocksCleared, BlockRemoved, BlockStored, Event
 
-__all__ = ["TIERS", "EventLog"]
+__all__ = ["EventLog"]
 
-TIERS = ("GPU", "CPU_PINNED", "DISK", "EXTERNAL")
+
+def _check_tier(tier: str) -> None:
+    if tier not in CANONICAL_TIERS:
+        raise ValueError(f"unknown tier {tier!r}: the engine publishes only {CANONICAL_TIERS}")
 
 
 class EventLog:
@@ -28,6 +32,7 @@ class EventLog:
         """``hashes`` are consecutive blocks of one chain; ``token_ids`` covers all of them."""
         if not hashes:
             return
+        _check_tier(tier)
         if len(token_ids) != len(hashes) * self.block_size:
             raise ValueError("BlockStored needs block_size token ids per block")
         self._events.append(
@@ -45,6 +50,7 @@ class EventLog:
     def removed(self, tier: str, hashes: Sequence[int]) -> None:
         if not hashes:
             return
+        _check_tier(tier)
         self._events.append(BlockRemoved(block_hashes=list(hashes), tier=tier, medium=tier))
         self.counts["BlockRemoved"] += 1
 

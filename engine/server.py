@@ -2,8 +2,9 @@
 (and SGLang's worker info endpoints, from :mod:`engine.sglang_compat`).
 
 ``create_app(settings)`` builds everything; the lifespan owns the engine core, its loop thread,
-the ZMQ publisher and the metrics registry (``app.state.kv``). No module-level state. Errors are
-``{"error": {"message", "type"}}`` like the router's.
+the ZMQ publisher and the metrics registry, held in an :class:`engine.state.EngineState` at
+``app.state.kv``. No module-level state. Errors are ``{"error": {"message", "type"}}`` like the
+router's.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -43,33 +43,16 @@ from engine.protocol import (
 from engine.publisher import EventPublisher
 from engine.runner.base import SamplingParams
 from engine.sequence import Request as EngineRequest
-from engine.tokenizer import ChatTemplateError, Tokenizer, load_tokenizer
+from engine.state import EngineState, engine_state
+from engine.tokenizer import ChatTemplateError, load_tokenizer
 
-__all__ = ["ApiError", "EngineState", "create_app"]
+__all__ = ["ApiError", "create_app"]
 
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error") -> None:
         super().__init__(message)
         self.status, self.message, self.type = status, message, type_
-
-
-@dataclass
-class EngineState:
-    settings: ServerSettings
-    engine: AsyncEngine
-    tokenizer: Tokenizer
-    metrics: EngineMetrics
-    publisher: EventPublisher | None
-    model: str
-
-    @property
-    def events_endpoint(self) -> str | None:
-        return self.publisher.endpoint if self.publisher else None
-
-    @property
-    def replay_endpoint(self) -> str | None:
-        return self.publisher.replay_endpoint if self.publisher else None
 
 
 def create_app(
@@ -135,14 +118,14 @@ def create_app(
 
     @app.get("/health")
     async def health(request: Request) -> Response:
-        st = _st(request)
+        st = engine_state(request)
         if not st.engine.alive:
             return _error(503, f"engine loop stopped: {st.engine.error}", "service_unavailable")
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        st = _st(request)
+        st = engine_state(request)
         card = {
             "id": st.model,
             "object": "model",
@@ -156,23 +139,24 @@ def create_app(
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         return Response(
-            generate_latest(_st(request).metrics.registry), media_type=CONTENT_TYPE_LATEST
+            generate_latest(engine_state(request).metrics.registry), media_type=CONTENT_TYPE_LATEST
         )
 
     @app.post("/reset_prefix_cache")
     async def reset(request: Request) -> Response:
-        await _st(request).engine.call(lambda core: core.reset_prefix_cache())
+        await engine_state(request).engine.call(lambda core: core.reset_prefix_cache())
         return JSONResponse({"status": "ok"})
 
     @app.get("/debug/blocks")
     async def blocks(request: Request) -> Response:
-        listing = await _st(request).engine.call(lambda core: core.block_listing())
+        st = engine_state(request)
+        listing = await st.engine.call(lambda core: core.block_listing())
         body = {tier: sorted(f"{h:016x}" for h in hs) for tier, hs in listing.items()}
-        return JSONResponse({"block_size": _st(request).settings.engine.block_size, "tiers": body})
+        return JSONResponse({"block_size": st.settings.engine.block_size, "tiers": body})
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        st = _st(request)
+        st = engine_state(request)
         body = _decode(await request.body(), TokenizeRequest)
         _check_model(st, body.model)
         if body.messages is not None:
@@ -187,7 +171,7 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        st = _st(request)
+        st = engine_state(request)
         body = _decode(await request.body(), CompletionRequest)
         _check_model(st, body.model)
         prompt = body.prompt
@@ -203,7 +187,7 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        st = _st(request)
+        st = engine_state(request)
         body = _decode(await request.body(), ChatRequest)
         _check_model(st, body.model)
         if not body.messages:
@@ -216,11 +200,6 @@ def create_app(
 
 
 # ---------------------------------------------------------------------------------- helpers
-
-
-def _st(request: Request) -> EngineState:
-    st: EngineState = request.app.state.kv
-    return st
 
 
 def _error(status: int, message: str, type_: str) -> Response:

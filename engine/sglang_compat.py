@@ -11,13 +11,12 @@ Only fields that describe this engine truthfully are given; anything else is lef
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-if TYPE_CHECKING:
-    from engine.server import EngineState
+from engine.state import EngineState, engine_state
 
 __all__ = ["model_info", "router", "server_info"]
 
@@ -59,9 +58,9 @@ def server_info(st: EngineState) -> dict[str, Any]:
 
 @router.get("/model_info")
 async def _model_info(request: Request) -> JSONResponse:
-    return JSONResponse(model_info(request.app.state.kv))
+    return JSONResponse(model_info(engine_state(request)))
 
 
 @router.get("/server_info")
 async def _server_info(request: Request) -> JSONResponse:
-    return JSONResponse(server_info(request.app.state.kv))
+    return JSONResponse(server_info(engine_state(request)))

@@ -126,3 +126,12 @@ def test_reset_forgets_every_hash_but_keeps_blocks_in_use() -> None:
     assert [bm.blocks[b].ref_count for b in seq.block_table] == [1, 1]
     bm.free_blocks(seq.block_table)
     assert bm.num_free_blocks == 4
+
+
+def test_event_log_publishes_only_canonical_tiers() -> None:
+    log = EventLog(BS)
+    with pytest.raises(ValueError, match="unknown tier"):
+        log.stored("HBM", [1], None, list(range(BS)))
+    with pytest.raises(ValueError, match="unknown tier"):
+        log.removed("gpu", [1])
+    assert len(log) == 0

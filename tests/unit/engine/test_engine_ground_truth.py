@@ -15,9 +15,9 @@ from engine_helpers import BS, Collector, connected, index_of, make_engine, redi
 from engine.engine import LLMEngine
 from engine.publisher import EventPublisher
 from engine.sequence import Request
-from indexer.events import AllBlocksCleared, BlockRemoved, BlockStored
+from indexer.events import CANONICAL_TIERS, AllBlocksCleared, BlockRemoved, BlockStored
 
-TIERS = ("GPU", "CPU_PINNED", "DISK", "EXTERNAL")
+TIERS = CANONICAL_TIERS  # what the engine publishes: the indexer's one tier list
 
 
 @pytest.fixture(params=["dir", "redis"])

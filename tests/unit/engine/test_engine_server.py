@@ -17,7 +17,7 @@ from engine_helpers import Collector, serve, wait_for
 from engine.config import EngineConfig, ServerSettings
 from engine.server import create_app
 from engine.tokenizer import render_chat
-from indexer.events import AllBlocksCleared, BlockStored
+from indexer.events import CANONICAL_TIERS, AllBlocksCleared, BlockStored
 
 MODEL = "kvrouter-sim"
 LONG = "The quick brown fox jumps over the lazy dog while the engine caches blocks. " * 2
@@ -152,7 +152,7 @@ async def test_metrics_reset_and_debug_listing(tmp_path: Path) -> None:
             assert listing["block_size"] == 16
             n_full = len(LONG) // 16
             assert len(listing["tiers"]["GPU"]) >= n_full
-            assert set(listing["tiers"]) == {"GPU", "CPU_PINNED", "DISK", "EXTERNAL"}
+            assert set(listing["tiers"]) == set(CANONICAL_TIERS)
 
             metrics = (await c.get("/metrics")).text
             for name in (
