@@ -31,14 +31,11 @@ EngineHash = int | bytes
 #: Fastest first. Scoring weights and "a block counts at its fastest tier" follow this order.
 CANONICAL_TIERS: tuple[str, ...] = ("GPU", "CPU_PINNED", "DISK", "EXTERNAL")
 
-#: Default scoring weight of a block per tier (a matched block saves that fraction of its
-#: prefill); unknown tiers are weighted like EXTERNAL.
-DEFAULT_TIER_WEIGHTS: dict[str, float] = {
-    "GPU": 1.0,
-    "CPU_PINNED": 0.8,
-    "DISK": 0.5,
-    "EXTERNAL": 0.3,
-}
+#: Default scoring weight of a block per tier, in ``CANONICAL_TIERS`` order (a matched block
+#: saves that fraction of its prefill); unknown tiers are weighted like EXTERNAL.
+DEFAULT_TIER_WEIGHTS: dict[str, float] = dict(
+    zip(CANONICAL_TIERS, (1.0, 0.8, 0.5, 0.3), strict=True)
+)
 
 #: ``kv_cache_spec_kind`` values whose group keeps every block of a prefix. Blocks of other
 #: groups (sliding window, chunked local attention, Mamba state: partial prefixes) do not make a
@@ -47,19 +44,17 @@ FULL_PREFIX_KINDS: frozenset[str | None] = frozenset(
     {None, "full_attention", "mla_attention", "cross_attention", "encoder_only_attention"}
 )
 
+#: Publishers' ``medium`` names -> canonical tier (each canonical name maps to itself).
 TIER_ALIASES: dict[str, str] = {
-    "GPU": "GPU",
+    **{t: t for t in CANONICAL_TIERS},
     "DEVICE": "GPU",
-    "CPU_PINNED": "CPU_PINNED",
     "CPU": "CPU_PINNED",
     "CPU_TIER1": "CPU_PINNED",
     "HOST": "CPU_PINNED",
-    "DISK": "DISK",
     "CPU_TIER2": "DISK",
     "STORAGE": "DISK",
     "NVME": "DISK",
     "FS": "DISK",
-    "EXTERNAL": "EXTERNAL",
     "REMOTE": "EXTERNAL",
     "SHARED": "EXTERNAL",
     "OBJ": "EXTERNAL",

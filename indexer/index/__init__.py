@@ -1,32 +1,38 @@
 """The global prefix index: every worker's cached blocks, by router block hash and storage tier
-(docs/architecture.md §3). A package of one state and two sides:
+(docs/architecture.md §3). One state object and the collaborators that receive it:
 
 - ``types``: the vocabulary (``WorkerKey``, tier ids, ``WorkerMatch``/``MatchResult``, errors);
 - ``state``: ``IndexState``, the only owner of worker tables, the tier registry and the masks;
-- ``apply``: events -> state, one entry point ``apply_batch`` (the subscriber task only);
-- ``match``: request -> per-worker matched prefix, one entry point ``match`` (read-only);
-- ``evict``: the optional cap (least recently matched first), swept by the writer;
+- ``apply``: ``Applier``, events -> state, one entry point ``apply_batch`` (the subscriber task);
+- ``match``: ``Matcher``, request -> per-worker matched prefix, one entry point ``match`` (read-only);
+- ``evict``: ``Evictor``, the optional cap (least recently matched first), swept by the writer;
+- ``rechunk``: a worker's engine blocks whose page size is not the router block size;
+- ``snapshot``: the state to and from a file;
 - ``native``: the C/Python façade of the hot loops.
 
-Engines whose page size differs from the router block size go through ``indexer.rechunk``;
-snapshots through ``indexer.snapshot``. Single writer: only the subscriber task calls the
-mutating methods; nothing here awaits.
+``PrefixIndex`` (here) is the façade the router, the subscriber and the tools use: it holds the
+state and one of each collaborator and only forwards. Single writer: only the subscriber task
+calls the mutating methods; nothing here awaits.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
+from indexer.events import EngineHash, Event, EventBatch
+from indexer.index.apply import Applier
 from indexer.index.evict import Evictor
 from indexer.index.match import Matcher
 from indexer.index.snapshot import read_snapshot, write_snapshot
+from indexer.index.state import IndexState
 from indexer.index.types import (
     MAX_UNKNOWN_MEDIUMS,
     SGLANG_ROOT_PARENT,
     IndexError_,
     MatchResult,
     SnapshotError,
+    Worker,
     WorkerIndexStats,
     WorkerKey,
     WorkerMatch,
@@ -45,13 +51,132 @@ __all__ = [
 ]
 
 
-class PrefixIndex(Evictor, Matcher):
+class PrefixIndex:
     """Global prefix index over every worker rank. See the package docstring."""
+
+    def __init__(self, block_size: int = 16) -> None:
+        self._attach(IndexState(block_size))
+
+    def _attach(self, state: IndexState) -> None:
+        self._state = state
+        self.block_size = state.block_size
+        self._matcher = Matcher(state)
+        self._applier = Applier(state)
+        self._evictor = Evictor(state, self._matcher)
+
+    # ------------------------------------------------------------------ reads
+
+    def request_hashes(
+        self,
+        token_ids: Sequence[int],
+        *,
+        model: str = "",
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> list[int]:
+        return self._matcher.request_hashes(
+            token_ids, model=model, lora_name=lora_name, cache_salt=cache_salt
+        )
+
+    def match(
+        self,
+        hashes: Sequence[int],
+        *,
+        overlay: Mapping[int, int] | None = None,
+        pools: Sequence[Iterable[WorkerKey]] = (),
+    ) -> MatchResult:
+        """Per worker: matched prefix blocks, and how many sit on each (fastest) tier; on a
+        worker with engine pages larger than a router block, whole pages only."""
+        return self._matcher.match(hashes, overlay=overlay, pools=pools)
+
+    # ----------------------------------------------------------------- writes
+
+    def apply_batch(self, worker_id: str, batch: EventBatch, *, dp_rank: int | None = None) -> None:
+        self._applier.apply_batch(worker_id, batch, dp_rank=dp_rank)
+
+    def apply_event(self, key: WorkerKey, event: Event) -> None:
+        self._applier.apply_event(key, event)
+
+    def add_worker(self, worker_id: str, dp_rank: int = 0, *, model: str = "") -> None:
+        self._state.add_worker(worker_id, dp_rank, model=model)
+
+    def remove_worker(self, worker_id: str, dp_rank: int | None = None) -> None:
+        self._state.remove_worker(worker_id, dp_rank)
+
+    def clear_worker(self, worker_id: str, dp_rank: int) -> None:
+        self._state.clear_worker(worker_id, dp_rank)
+
+    # -------------------------------------------------------------------- cap
+
+    def set_cap(self, max_entries: int) -> None:
+        """Cap the index at ``max_entries`` entries (0: no cap)."""
+        self._evictor.set_cap(max_entries)
+
+    def enforce_cap(self) -> int:
+        """Evict down to 90 % of the cap when over it; the entries evicted (see ``evict``)."""
+        return self._evictor.enforce_cap()
+
+    @property
+    def max_entries(self) -> int:
+        return self._evictor.max_entries
+
+    @property
+    def evicted_entries(self) -> int:
+        return self._evictor.evicted_entries
+
+    # --------------------------------------------------------------- listings
+
+    def workers(self) -> list[WorkerKey]:
+        return self._state.workers()
+
+    def slot(self, key: WorkerKey) -> int:
+        return self._state.slot(key)
+
+    def worker(self, key: WorkerKey) -> Worker:
+        """One worker rank's record (KeyError when unknown)."""
+        return self._state.worker(key)
+
+    def items(self) -> list[tuple[WorkerKey, Worker]]:
+        return self._state.items()
+
+    def worker_stats(self, key: WorkerKey) -> WorkerIndexStats:
+        return self._state.worker_stats(key)
+
+    def __len__(self) -> int:
+        """Number of distinct router blocks held by at least one worker."""
+        return len(self._state)
+
+    def entries(self) -> int:
+        """Number of (engine block, worker) entries."""
+        return self._state.entries()
+
+    @property
+    def tier_names(self) -> list[str]:
+        """Tier names by tier id: the canonical ones, then unknown mediums in arrival order."""
+        return self._state.tier_names
+
+    @property
+    def unknown_tiers(self) -> dict[str, int]:
+        """Tiers outside the canonical ones that were seen (scored like EXTERNAL), counted."""
+        return self._state.unknown_tiers
+
+    def block_tiers(self, key: WorkerKey, hashes: Sequence[int]) -> list[frozenset[str]]:
+        """Tiers holding each leading block of ``hashes`` on one worker, up to the first gap."""
+        return self._state.block_tiers(key, hashes)
+
+    def engine_blocks(self, key: WorkerKey) -> dict[str, set[EngineHash]]:
+        """Engine hashes per tier on one worker: the listing the engines' ground-truth tests use."""
+        return self._state.engine_blocks(key)
+
+    # -------------------------------------------------------------- snapshots
 
     def snapshot(self, path: str | os.PathLike[str], seqs: Mapping[WorkerKey, int]) -> None:
         """Write the index and each worker's last applied seq; atomic (write + rename)."""
-        write_snapshot(self, path, seqs)
+        write_snapshot(self._state, path, seqs)
 
     @classmethod
     def restore(cls, path: str | os.PathLike[str]) -> tuple[PrefixIndex, dict[WorkerKey, int]]:
-        return read_snapshot(cls, path)
+        state, seqs = read_snapshot(path)
+        index = cls(state.block_size)
+        index._attach(state)
+        return index, seqs

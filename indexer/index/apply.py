@@ -1,5 +1,7 @@
 """Applying events to the index state: the one entry point ``apply_batch`` (and ``apply_event``
-for tests and tools), called only by the subscriber task.
+for tests and tools), called only by the subscriber task. ``Applier`` turns events into the
+state's entry operations (``IndexState.add_block``/``add_tier``/``remove_tier``/...) and runs the
+common shapes through the C store/remove loops (``indexer.index.native``).
 
 What the engine can really reuse (issue 12):
 
@@ -7,7 +9,8 @@ What the engine can really reuse (issue 12):
   last page into a second physical block) and remove it once. Stores are counted per (worker,
   engine hash, tier); the block leaves a tier when its count reaches 0.
 - page size: a worker whose events carry ``block_size`` P (its page) is credited whole pages only
-  (``IndexState.set_page``; the rounding is in ``indexer.index.match``).
+  (``IndexState.set_page``; the rounding is in ``indexer.index.match``); other page sizes are
+  re-chunked (``indexer.index.rechunk``).
 - extra keys: a block whose ``extra_keys`` (after the LoRA key) are not empty chains from
   ``hashing.extra_seed``: another namespace for salted and multimodal blocks.
 - hybrid models: presence follows the groups whose ``kv_cache_spec_kind`` keeps the whole prefix
@@ -32,21 +35,33 @@ from indexer.hashing import chain_hashes, chain_hashes_extra, namespace_keys
 from indexer.index.native import remove_gpu as _remove_gpu
 from indexer.index.native import store_gpu as _store_gpu
 from indexer.index.rechunk import RechunkTable
-from indexer.index.state import IndexState, _or_all
-from indexer.index.types import SGLANG_ROOT_PARENT, Worker, WorkerKey
+from indexer.index.state import IndexState
+from indexer.index.types import SGLANG_ROOT_PARENT, PagedBlocks, Worker, WorkerKey
 
 __all__ = ["Applier"]
 
 
-class Applier(IndexState):
-    """The index's writer side."""
+class Applier:
+    """The index's writer side, over one ``IndexState``."""
+
+    def __init__(self, state: IndexState) -> None:
+        self._state = state
+        # Bound once: the per-event paths use them without going through ``self._state``
+        # (the state mutates these containers in place, never rebinds them).
+        self._workers = state.by_key
+        self._present = state.present
+        self.block_size = state.block_size
+        self._tier_id = state.tier_id
+        self._add_block = state.add_block
+        self._add_tier = state.add_tier
+        self._remove_tier = state.remove_tier
 
     def apply_batch(self, worker_id: str, batch: EventBatch, *, dp_rank: int | None = None) -> None:
         rank = dp_rank if dp_rank is not None else (batch.dp_rank or 0)
         w = self._workers.get((worker_id, rank))
         if w is None:
             model = next((x.model for k, x in self._workers.items() if k[0] == worker_id), "")
-            self.add_worker(worker_id, rank, model=model)
+            self._state.add_worker(worker_id, rank, model=model)
             w = self._workers[(worker_id, rank)]
         bs = self.block_size
         for ev in batch.events:
@@ -64,7 +79,7 @@ class Applier(IndexState):
                     hashes = ev.block_hashes
                     parent = ev.parent_block_hash
                     if parent is None:
-                        ph: int | None = self.seed(w, ev.lora_name, ev.lora_id)
+                        ph: int | None = w.seed(ev.lora_name, ev.lora_id)
                     else:
                         ph = w.table.get(parent)
                     if ph is not None and type(hashes) is list:
@@ -92,7 +107,7 @@ class Applier(IndexState):
 
     def apply_event(self, key: WorkerKey, event: Event) -> None:
         if key not in self._workers:
-            self.add_worker(*key)
+            self._state.add_worker(*key)
         self._apply(self._workers[key], event)
 
     def _apply(self, w: Worker, ev: Event) -> None:
@@ -105,7 +120,7 @@ class Applier(IndexState):
             if ev.block_size == self.block_size:
                 self._store(w, ev)
             else:
-                self.set_page(w, ev.block_size)
+                self._state.set_page(w, ev.block_size)
                 self._rechunk_table(w).store(ev)
         elif type(ev) is BlockRemoved:
             if ev.group_idx in w.partial_groups:
@@ -114,10 +129,10 @@ class Applier(IndexState):
             w.stats.removed_events += 1
             hashes = ev.block_hashes
             self._remove(
-                w, hashes if type(hashes) is list else list(hashes), self.tier_id(ev.tier, w)
+                w, hashes if type(hashes) is list else list(hashes), self._tier_id(ev.tier, w)
             )
         elif type(ev) is AllBlocksCleared:
-            self._drop_entries(w)
+            self._state.drop_entries(w)
             w.stats.cleared += 1
 
     def _remove(self, w: Worker, hashes: list[EngineHash], t: int) -> None:
@@ -152,7 +167,7 @@ class Applier(IndexState):
     def _store(self, w: Worker, ev: BlockStored, start: int = 0) -> None:
         """Apply a store from block ``start`` on (the ones before it were just stored by the
         caller's hot path)."""
-        t = self.tier_id(ev.tier, w)
+        t = self._tier_id(ev.tier, w)
         bit = 1 << t
         table = w.table
         hashes = ev.block_hashes
@@ -177,7 +192,7 @@ class Applier(IndexState):
         else:
             parent = ev.parent_block_hash
             if parent is None:
-                parent_h = self.seed(w, ev.lora_name, ev.lora_id)
+                parent_h = w.seed(ev.lora_name, ev.lora_id)
             elif parent in table:
                 parent_h = table[parent]
             elif w.rechunk is not None and parent in w.rechunk.blocks:
@@ -185,7 +200,7 @@ class Applier(IndexState):
                 w.stats.orphan_blocks += len(hashes)
                 return
             elif parent == SGLANG_ROOT_PARENT:
-                parent_h = self.seed(w, ev.lora_name, ev.lora_id)
+                parent_h = w.seed(ev.lora_name, ev.lora_id)
             else:
                 # Cannot chain without the parent's router hash: never guess.
                 w.stats.orphans += 1
@@ -226,75 +241,9 @@ class Applier(IndexState):
             if bit != 1:
                 emask[e] = bit
             w.tier_counts[t] += 1
-            self._router_add(w, h, e, bit)
+            self._add_block(w, h, e, bit)
 
-    def _add_tier(self, w: Worker, e: EngineHash, bit: int, t: int) -> None:
-        own = w.emask.get(e, 1)
-        if own & bit:
-            self.count_dup(w, e, t)
-            return
-        own |= bit
-        w.emask[e] = own
-        w.tier_counts[t] += 1
-        h = w.table[e]
-        multi = w.multi.get(h)
-        if multi is None:
-            self.set_mask(w, h, own & ~bit, own)
-        else:
-            old = _or_all(multi)
-            multi[e if e in multi else None] = own
-            self.set_mask(w, h, old, old | bit)
-
-    def _router_add(self, w: Worker, h: int, e: EngineHash, bit: int) -> None:
-        multi = w.multi.get(h)
-        if multi is not None:
-            old = _or_all(multi)
-            multi[e] = bit
-            self.set_mask(w, h, old, old | bit)
-            return
-        if self._present.get(h, 0) & w.bit:
-            # Another engine block of this worker already maps to h (same tokens, different
-            # cache salt or extra keys). Before this moment exactly one did, so ``None`` names
-            # that one block precisely: its later updates find no key of their own and use it.
-            old = self.worker_mask(w, h)
-            w.multi[h] = {None: old, e: bit}
-            self.set_mask(w, h, old, old | bit)
-            return
-        self.set_mask(w, h, 0, bit)
-
-    def _remove_tier(self, w: Worker, e: EngineHash, t: int) -> None:
-        own = w.emask.get(e, 1)
-        bit = 1 << t
-        if not own & bit:
-            w.stats.unknown_removals += 1
-            return
-        w.tier_counts[t] -= 1
-        own &= ~bit
-        h = w.table[e]
-        if own == 1:
-            del w.emask[e]
-        elif own:
-            w.emask[e] = own
-        else:
-            del w.table[e]
-            w.emask.pop(e, None)
-        multi = w.multi.get(h)
-        if multi is None:
-            self.set_mask(w, h, own | bit, own)
-            return
-        old = _or_all(multi)
-        k: EngineHash | None = e if e in multi else None
-        if own:
-            multi[k] = own
-        else:
-            multi.pop(k, None)
-        new = _or_all(multi)
-        if len(multi) <= 1:
-            # one engine block left: its own packed entry carries the mask again
-            del w.multi[h]
-        self.set_mask(w, h, old, new)
-
-    def _rechunk_table(self, w: Worker) -> RechunkTable:
+    def _rechunk_table(self, w: Worker) -> PagedBlocks:
         if w.rechunk is None:
-            w.rechunk = RechunkTable(self, w)
+            w.rechunk = RechunkTable(self._state, w)
         return w.rechunk

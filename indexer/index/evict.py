@@ -1,22 +1,25 @@
-"""The optional index cap (docs/architecture.md §3): at most ``max_entries`` (engine block, worker) entries,
-the least recently matched going first.
+"""The optional index cap (docs/architecture.md §3): at most ``max_entries`` (engine block,
+worker) entries, the least recently matched going first.
 
 Recency without writes on the request path: ``match`` appends the request's hashes to a bounded
-record (``IndexState._recent``); the sweep, on the writer task, folds it into marks on the blocks
-of each matched prefix. The sweep is a CLOCK over each worker's table (insertion ordered, so the
-oldest store comes first): a marked entry gets a second chance (mark cleared, moved to the back),
-an unmarked one is evicted, all its tiers at once. Marks stay until the hand reaches them (at most
-``max_entries`` of them: beyond, they start over). Workers take turns, so a cap squeezes every worker alike.
-A sweep runs when the entries exceed the cap and stops at 90 % of it, so it runs rarely; it is
-called by the subscriber task between rounds of messages. Re-chunked workers' engine blocks are
-not evicted (a rare layout; their router blocks count in ``len(index)``).
+record (``Matcher.recent``, which the cap turns on); the sweep, on the writer task, folds it into
+marks on the blocks of each matched prefix. The sweep is a CLOCK over each worker's table
+(insertion ordered, so the oldest store comes first): a marked entry gets a second chance (mark
+cleared, moved to the back), an unmarked one is evicted, all its tiers at once. Marks stay until
+the hand reaches them (at most ``max_entries`` of them: beyond, they start over). Workers take
+turns, so a cap squeezes every worker alike. A sweep runs when the entries exceed the cap and
+stops at 90 % of it, so it runs rarely; it is called by the subscriber task between rounds of
+messages. Re-chunked workers' engine blocks are not evicted (a rare layout; their router blocks
+count in ``len(index)``).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 
-from indexer.index.apply import Applier
+from indexer.index.match import Matcher
+from indexer.index.state import IndexState
 
 __all__ = ["Evictor"]
 
@@ -25,8 +28,20 @@ __all__ = ["Evictor"]
 RECENT_REQUESTS = 256
 
 
-class Evictor(Applier):
-    """The index's cap: ``set_cap`` and the writer's ``enforce_cap``."""
+class Evictor:
+    """The index's cap: ``set_cap`` and the writer's ``enforce_cap``. It owns the cap, the marks
+    and the count of evictions; entries leave through ``IndexState.remove_tier``."""
+
+    def __init__(self, state: IndexState, matcher: Matcher) -> None:
+        self._state = state
+        self._matcher = matcher
+        #: At most this many (engine block, worker) entries; 0: no cap.
+        self.max_entries = 0
+        self.evicted_entries = 0
+        #: The matcher's record of requests since the last sweep (only with a cap).
+        self._recent: deque[Sequence[int]] | None = None
+        #: Router hashes matched since the eviction hand last passed them.
+        self._marked: set[int] = set()
 
     def set_cap(self, max_entries: int) -> None:
         """Cap the index at ``max_entries`` entries (0: no cap)."""
@@ -34,6 +49,8 @@ class Evictor(Applier):
             raise ValueError("max_entries must be >= 0")
         self.max_entries = max_entries
         self._recent = deque(maxlen=RECENT_REQUESTS) if max_entries else None
+        # a side record, not index state: ``match`` stays a read
+        self._matcher.recent = self._recent
         self._marked.clear()
 
     def enforce_cap(self) -> int:
@@ -42,8 +59,9 @@ class Evictor(Applier):
         cap = self.max_entries
         if not cap:
             return 0
+        state = self._state
         marked = self._marked
-        present = self._present
+        present = state.present
         recent = self._recent
         while recent:
             for h in recent.popleft():
@@ -52,7 +70,7 @@ class Evictor(Applier):
                 marked.add(h)
         if len(marked) > cap:  # marks of blocks long gone: start over rather than grow
             marked.clear()
-        workers = [w for w in self._workers.values() if w.table]
+        workers = [w for w in state.by_key.values() if w.table]
         n = sum(len(w.table) for w in workers)
         if n <= cap:
             return 0
@@ -80,7 +98,7 @@ class Evictor(Applier):
             t = 0
             while mask:
                 if mask & 1:
-                    self._remove_tier(w, e, t)
+                    state.remove_tier(w, e, t)
                 mask >>= 1
                 t += 1
             w.stats.evicted_entries += 1

@@ -8,6 +8,7 @@ page). Read-only: request handlers call it between the writer's turns.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from itertools import groupby
 from typing import Any
@@ -21,8 +22,27 @@ from indexer.index.types import EXTERNAL, MAX_TIERS, ZERO, MatchResult, WorkerKe
 __all__ = ["Matcher"]
 
 
-class Matcher(IndexState):
-    """The index's reader side."""
+class Matcher:
+    """The index's reader side, over one ``IndexState``."""
+
+    def __init__(self, state: IndexState) -> None:
+        self._state = state
+        # Bound once: the walks read them without going through ``self._state`` (the state
+        # mutates these containers in place, never rebinds them; ``all_bits`` is an int, so it
+        # is read from the state).
+        self.block_size = state.block_size
+        self._present = state.present
+        self._nogpu = state.nogpu
+        self._low = state.low
+        self._workers = state.by_key
+        self._by_slot = state.by_slot
+        self._free_slots = state.free_slots
+        self._paged = state.paged
+        self._tier_names = state.tier_names
+        self._tier_ids = state.tier_ids
+        #: Requests matched since the cap's last sweep (their hashes), set by ``Evictor.set_cap``;
+        #: None without a cap.
+        self.recent: deque[Sequence[int]] | None = None
 
     def request_hashes(
         self,
@@ -43,8 +63,8 @@ class Matcher(IndexState):
     ) -> MatchResult:
         """Per worker: matched prefix blocks, and how many sit on each (fastest) tier; on a
         worker with engine pages larger than a router block, whole pages only."""
-        if self._recent is not None:
-            self._recent.append(hashes)
+        if self.recent is not None:
+            self.recent.append(hashes)
         res = self._match(hashes, overlay, pools)
         return self._round_pages(res) if self._paged else res
 
@@ -109,7 +129,7 @@ class Matcher(IndexState):
                 if type(hashes) is not list:
                     hashes = list(hashes)
                 r = _walk_overlay(
-                    self._present, overlay, hashes, self._all_bits, len(self._by_slot)
+                    self._present, overlay, hashes, self._state.all_bits, len(self._by_slot)
                 )
                 if r is not None:
                     return self._result(len(hashes), r[0], r[1])
@@ -117,13 +137,13 @@ class Matcher(IndexState):
         # GPU-only holders and nothing to overlay: the walk is a C loop over the blocks.
         if type(hashes) is not list:
             hashes = list(hashes)
-        lengths, _ = _walk_lengths(self._present, hashes, self._all_bits, len(self._by_slot))
+        lengths, _ = _walk_lengths(self._present, hashes, self._state.all_bits, len(self._by_slot))
         return self._result(len(hashes), lengths)
 
     def _match_overlay(self, hashes: Sequence[int], overlay: Mapping[int, int]) -> MatchResult:
         """GPU-only holders plus predictions: predictions are recorded as chain segments, so
         along a request the (held, predicted) pair changes rarely and the work is per run."""
-        alive = self._all_bits
+        alive = self._state.all_bits
         ended: dict[int, int] = {}
         counts: dict[int, dict[int, int]] = {}
         pos = 0
@@ -157,7 +177,7 @@ class Matcher(IndexState):
         vals: list[int | None] = list(map(self._present.get, hashes))
         extras = self._extras(hashes, vals, overlay, pools)
         seq: list[Any] = vals if extras is None else list(zip(vals, extras))
-        alive = self._all_bits
+        alive = self._state.all_bits
         ended: dict[int, int] = {}
         runs: list[tuple[int, int, tuple[int, ...]]] = []
         pos = 0
@@ -195,17 +215,11 @@ class Matcher(IndexState):
                 },
             )
         if not self._free_slots:
-            keys = self._slot_keys()
+            keys = self._state.slot_keys()
             return MatchResult(n, dict(zip(keys, map(shared.__getitem__, lengths))))
         return MatchResult(
             n, {w.key: shared[lengths[w.slot]] for w in self._by_slot if w is not None}
         )
-
-    def _slot_keys(self) -> list[WorkerKey]:
-        keys = self._keys_cache
-        if keys is None:
-            keys = self._keys_cache = [w.key for w in self._by_slot if w is not None]
-        return keys
 
     def _build(
         self, n: int, pos: int, ended: dict[int, int], counts: dict[int, dict[int, int]]

@@ -5,18 +5,17 @@ block size per model. A router block is present on such a worker when every engi
 its tokens is present; its tiers are those all covering blocks share, or else the slowest of their
 fastest tiers (docs/architecture.md §3). Each engine block keeps the router chain state at the last router-block
 boundary before its end plus the tokens after it, so a child store can continue the chain.
+
+A ``RechunkTable`` is created by the applier on a worker's first such store and hangs off the
+worker (``Worker.rechunk``); it changes the global masks through ``IndexState.set_mask`` only.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from indexer.events import BlockStored, EngineHash
 from indexer.hashing import chain_hashes, extra_seed, namespace_keys
+from indexer.index.state import IndexState
 from indexer.index.types import MAX_TIERS, SGLANG_ROOT_PARENT, Worker
-
-if TYPE_CHECKING:  # pragma: no cover
-    from indexer.index.state import IndexState
 
 __all__ = ["RechunkTable"]
 
@@ -69,7 +68,7 @@ class RechunkTable:
             tail: tuple[int, ...]
             if parent is None or (parent not in self.blocks and parent == SGLANG_ROOT_PARENT):
                 pe = None
-                end0, state, tail = 0, index.seed(w, ev.lora_name, ev.lora_id), ()
+                end0, state, tail = 0, w.seed(ev.lora_name, ev.lora_id), ()
             else:
                 pe = self.blocks.get(parent)
                 if pe is None:
@@ -130,6 +129,29 @@ class RechunkTable:
             self._recompute(h)
         if not eb.tiers:
             self._collect(e, eb)
+
+    def load_block(
+        self,
+        e: EngineHash,
+        parent: EngineHash | None,
+        tiers: int,
+        end: int,
+        state: int,
+        tail: tuple[int, ...],
+    ) -> None:
+        """Restore one engine block from a snapshot (then ``load_cover`` its router blocks)."""
+        self.blocks[e] = _EBlock(parent, tiers, end, state, tail)
+        for t in range(MAX_TIERS):
+            if tiers >> t & 1:
+                self.tier_counts[t] += 1
+
+    def load_cover(self, h: int, cov: list[EngineHash]) -> None:
+        """Restore which engine blocks cover router block ``h``, and its mask in the state."""
+        self.cover[h] = cov
+        for c in cov:
+            if c in self.blocks:
+                self.blocks[c].routers.append(h)
+        self._recompute(h)
 
     def _add_tier(self, eb: _EBlock, bit: int, t: int) -> None:
         if eb.tiers & bit:

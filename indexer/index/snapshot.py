@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import TypeVar
 
 import msgspec
 
 from indexer.events import ResumePoint
 from indexer.hashing import HASH_VERSION
-from indexer.index.rechunk import RechunkTable, _EBlock
+from indexer.index.rechunk import RechunkTable
 from indexer.index.state import IndexState
 from indexer.index.types import MAX_TIERS, SnapshotError, WorkerKey
-
-S = TypeVar("S", bound=IndexState)
 
 __all__ = ["read_snapshot", "write_snapshot"]
 
@@ -70,6 +67,7 @@ _encoder = msgspec.msgpack.Encoder()
 def write_snapshot(
     index: IndexState, path: str | os.PathLike[str], seqs: Mapping[WorkerKey, int]
 ) -> None:
+    """Write ``index`` and each worker rank's resume point; atomic (write + rename)."""
     seq_map = dict(seqs)
     workers = []
     for key, w in index.items():
@@ -102,7 +100,8 @@ def write_snapshot(
     os.replace(tmp, path)
 
 
-def read_snapshot(cls: type[S], path: str | os.PathLike[str]) -> tuple[S, dict[WorkerKey, int]]:
+def read_snapshot(path: str | os.PathLike[str]) -> tuple[IndexState, dict[WorkerKey, int]]:
+    """A new index state from a snapshot file, and each worker rank's resume point."""
     try:
         with open(path, "rb") as f:
             snap = _decoder.decode(f.read())
@@ -114,7 +113,7 @@ def read_snapshot(cls: type[S], path: str | os.PathLike[str]) -> tuple[S, dict[W
         raise SnapshotError(
             f"snapshot router hash version {snap.hash_version} != {HASH_VERSION}; rebuild from events"
         )
-    index = cls(snap.block_size)
+    index = IndexState(snap.block_size)
     for name in snap.tiers:
         index.tier_id(name)
     index.unknown_tiers.clear()
@@ -150,15 +149,7 @@ def read_snapshot(cls: type[S], path: str | os.PathLike[str]) -> tuple[S, dict[W
             rc = RechunkTable(index, w)
             w.rechunk = rc
             for rb in ws.rechunk:
-                eb = _EBlock(rb.parent, rb.tiers, rb.end, rb.state, tuple(rb.tail))
-                rc.blocks[rb.engine_hash] = eb
-                for t in range(MAX_TIERS):
-                    if rb.tiers >> t & 1:
-                        rc.tier_counts[t] += 1
+                rc.load_block(rb.engine_hash, rb.parent, rb.tiers, rb.end, rb.state, tuple(rb.tail))
             for h, cov in ws.cover:
-                rc.cover[h] = list(cov)
-                for c in cov:
-                    if c in rc.blocks:
-                        rc.blocks[c].routers.append(h)
-                rc._recompute(h)
+                rc.load_cover(h, list(cov))
     return index, seqs

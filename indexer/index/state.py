@@ -9,18 +9,19 @@ global masks (router hash -> slots holding it, in total and per lower tier).
 - the tier registry: canonical tiers by name (``types.GPU``, ``types.EXTERNAL``), then unknown
   mediums while tier bits remain; names counted per worker, bounded, freed with the worker.
 
-``indexer.index.apply`` changes it (events), ``indexer.index.match`` reads it (requests);
-``indexer.rechunk`` and ``indexer.snapshot`` go through the methods here.
+Every change to an entry's tiers goes through the methods here (``add_block``, ``add_tier``,
+``remove_tier``, ``set_mask``, ``drop_entries``), which keep a worker's table and the global masks
+in step. The collaborators (``apply``, ``match``, ``evict``, ``rechunk``, ``snapshot``) receive
+this object; the two hot ones bind its containers once, so those are mutated in place and never
+rebound. The C store/remove loops of ``apply`` are the one writer that bypasses the methods.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from indexer.events import CANONICAL_TIERS, EngineHash
-from indexer.hashing import namespace_seed
 from indexer.index.native import new_present
 from indexer.index.types import (
     MAX_TIERS,
@@ -40,117 +41,118 @@ class IndexState:
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         self.block_size = block_size
-        self._workers: dict[WorkerKey, Worker] = {}
-        self._by_slot: list[Worker | None] = []
-        self._free_slots: list[int] = []
-        self._all_bits = 0
+        self.by_key: dict[WorkerKey, Worker] = {}
+        self.by_slot: list[Worker | None] = []
+        self.free_slots: list[int] = []
+        #: Bits of the slots in use (an int: read through this object, never bound).
+        self.all_bits = 0
         self._keys_cache: list[WorkerKey] | None = None
         #: slot -> engine page size, for workers whose credit rounds down to whole pages
-        self._paged: dict[int, int] = {}
-        self._present: dict[int, int] = new_present()
+        self.paged: dict[int, int] = {}
+        self.present: dict[int, int] = new_present()
         # slots holding a block on no GPU tier at all, and per lower tier the slots holding it
-        self._nogpu: dict[int, int] = {}
-        self._low: list[dict[int, int]] = [{} for _ in range(MAX_TIERS)]
-        self._tier_names: list[str] = list(CANONICAL_TIERS)
-        self._tier_ids: dict[str, int] = {n: i for i, n in enumerate(CANONICAL_TIERS)}
-        #: Tiers outside the canonical four that were seen (scored like EXTERNAL).
+        self.nogpu: dict[int, int] = {}
+        self.low: list[dict[int, int]] = [{} for _ in range(MAX_TIERS)]
+        #: Tier names by tier id: the canonical ones, then unknown mediums in arrival order.
+        self.tier_names: list[str] = list(CANONICAL_TIERS)
+        self.tier_ids: dict[str, int] = {n: i for i, n in enumerate(CANONICAL_TIERS)}
+        #: Tiers outside the canonical ones that were seen (scored like EXTERNAL).
         self.unknown_tiers: dict[str, int] = {}
-        #: Optional cap on (engine block, worker) entries, enforced by ``evict.Evictor``; 0: none.
-        self.max_entries = 0
-        #: Requests matched since the last eviction sweep (their hashes), only with a cap: the
-        #: recency the sweep folds in. A side record, not index state: ``match`` stays a read.
-        self._recent: deque[Sequence[int]] | None = None
-        #: Router hashes matched since the eviction hand last passed them (see ``evict``).
-        self._marked: set[int] = set()
-        self.evicted_entries = 0
+
+    # ------------------------------------------------------------------ workers
 
     def add_worker(self, worker_id: str, dp_rank: int = 0, *, model: str = "") -> None:
         key = (worker_id, dp_rank)
-        if key in self._workers:
-            self._workers[key].model = model
+        if key in self.by_key:
+            self.by_key[key].model = model
             return
-        if self._free_slots:
-            slot = self._free_slots.pop()
+        if self.free_slots:
+            slot = self.free_slots.pop()
         else:
-            slot = len(self._by_slot)
-            self._by_slot.append(None)
+            slot = len(self.by_slot)
+            self.by_slot.append(None)
         w = Worker(key, slot, model)
-        self._workers[key] = w
-        self._by_slot[slot] = w
-        self._all_bits |= w.bit
+        self.by_key[key] = w
+        self.by_slot[slot] = w
+        self.all_bits |= w.bit
         self._keys_cache = None
 
     def remove_worker(self, worker_id: str, dp_rank: int | None = None) -> None:
         keys = [
-            k for k in self._workers if k[0] == worker_id and (dp_rank is None or k[1] == dp_rank)
+            k for k in self.by_key if k[0] == worker_id and (dp_rank is None or k[1] == dp_rank)
         ]
         for key in keys:
-            w = self._workers.pop(key)
-            self._drop_entries(w)
-            self._paged.pop(w.slot, None)
-            self._by_slot[w.slot] = None
-            self._free_slots.append(w.slot)
-            self._all_bits &= ~w.bit
+            w = self.by_key.pop(key)
+            self.drop_entries(w)
+            self.paged.pop(w.slot, None)
+            self.by_slot[w.slot] = None
+            self.free_slots.append(w.slot)
+            self.all_bits &= ~w.bit
             self._keys_cache = None
 
     def clear_worker(self, worker_id: str, dp_rank: int) -> None:
-        w = self._workers.get((worker_id, dp_rank))
+        w = self.by_key.get((worker_id, dp_rank))
         if w is not None:
-            self._drop_entries(w)
+            self.drop_entries(w)
             w.stats.cleared += 1
 
     def workers(self) -> list[WorkerKey]:
-        return list(self._workers)
+        return list(self.by_key)
 
     def slot(self, key: WorkerKey) -> int:
-        return self._workers[key].slot
+        return self.by_key[key].slot
 
     def worker(self, key: WorkerKey) -> Worker:
         """One worker rank's record (KeyError when unknown)."""
-        return self._workers[key]
+        return self.by_key[key]
 
     def items(self) -> list[tuple[WorkerKey, Worker]]:
-        return list(self._workers.items())
+        return list(self.by_key.items())
 
-    @property
-    def tier_names(self) -> list[str]:
-        """Tier names by tier id: the canonical four, then unknown mediums in arrival order."""
-        return self._tier_names
+    def slot_keys(self) -> list[WorkerKey]:
+        """Worker keys in slot order, cached until a worker comes or goes (valid as a per-slot
+        list only while no slot is free)."""
+        keys = self._keys_cache
+        if keys is None:
+            keys = self._keys_cache = [w.key for w in self.by_slot if w is not None]
+        return keys
 
     def worker_stats(self, key: WorkerKey) -> WorkerIndexStats:
-        w = self._workers[key]
+        w = self.by_key[key]
         counts = w.tier_counts
         if w.rechunk is not None:
             counts = [a + b for a, b in zip(counts, w.rechunk.tier_counts)]
         w.stats.blocks_by_tier = {
-            self._tier_names[i]: c for i, c in enumerate(counts) if c or i < len(CANONICAL_TIERS)
+            self.tier_names[i]: c for i, c in enumerate(counts) if c or i < len(CANONICAL_TIERS)
         }
         return w.stats
 
     def __len__(self) -> int:
         """Number of distinct router blocks held by at least one worker."""
-        return len(self._present)
+        return len(self.present)
 
     def entries(self) -> int:
         """Number of (engine block, worker) entries."""
         n = 0
-        for w in self._workers.values():
+        for w in self.by_key.values():
             n += len(w.table)
             if w.rechunk is not None:
                 n += len(w.rechunk.blocks)
         return n
 
+    # ---------------------------------------------------------- tier registry
+
     def tier_id(self, name: str, w: Worker | None = None) -> int:
-        t = self._tier_ids.get(name)
+        t = self.tier_ids.get(name)
         if t is None:
             # New unknown medium: its own tier while bits remain, then the last one shared, and
             # then the name is not kept (a publisher may send any number of names).
-            t = len(self._tier_names)
+            t = len(self.tier_names)
             if t >= MAX_TIERS:
                 t = MAX_TIERS - 1
             else:
-                self._tier_names.append(name)
-                self._tier_ids[name] = t
+                self.tier_names.append(name)
+                self.tier_ids[name] = t
         if t >= len(CANONICAL_TIERS):
             if name in self.unknown_tiers or len(self.unknown_tiers) < MAX_TIERS:
                 self.unknown_tiers[name] = self.unknown_tiers.get(name, 0) + 1
@@ -161,11 +163,6 @@ class IndexState:
                 um[name] = um.get(name, 0) + 1
         return t
 
-    def seed(self, w: Worker, lora_name: str | None, lora_id: int | None) -> int:
-        if lora_name is None and lora_id is not None:
-            lora_name = f"lora-id:{lora_id}"
-        return namespace_seed(w.model, lora_name)
-
     def set_page(self, w: Worker, page: int) -> None:
         """Record the engine's page size: credit on this worker is rounded down to whole pages."""
         if page == w.page:
@@ -173,9 +170,11 @@ class IndexState:
         w.page = page
         bs = self.block_size
         if page > bs or bs % page:
-            self._paged[w.slot] = page
+            self.paged[w.slot] = page
         else:
-            self._paged.pop(w.slot, None)
+            self.paged.pop(w.slot, None)
+
+    # ---------------------------------------------------------------- entries
 
     def count_dup(self, w: Worker, e: EngineHash, t: int) -> None:
         """Another store of ``e`` on tier ``t``, which already holds it."""
@@ -185,11 +184,81 @@ class IndexState:
         d[t] = d.get(t, 0) + 1
         w.stats.duplicate_stores += 1
 
-    def _drop_entries(self, w: Worker) -> None:
+    def add_block(self, w: Worker, h: int, e: EngineHash, bit: int) -> None:
+        """Engine block ``e`` (just entered in ``w.table``) brings router block ``h`` on ``bit``."""
+        multi = w.multi.get(h)
+        if multi is not None:
+            old = _or_all(multi)
+            multi[e] = bit
+            self.set_mask(w, h, old, old | bit)
+            return
+        if self.present.get(h, 0) & w.bit:
+            # Another engine block of this worker already maps to h (same tokens, different
+            # cache salt or extra keys). Before this moment exactly one did, so ``None`` names
+            # that one block precisely: its later updates find no key of their own and use it.
+            old = self.worker_mask(w, h)
+            w.multi[h] = {None: old, e: bit}
+            self.set_mask(w, h, old, old | bit)
+            return
+        self.set_mask(w, h, 0, bit)
+
+    def add_tier(self, w: Worker, e: EngineHash, bit: int, t: int) -> None:
+        """Tier ``t`` (``bit``) also holds ``w``'s known engine block ``e``."""
+        own = w.emask.get(e, 1)
+        if own & bit:
+            self.count_dup(w, e, t)
+            return
+        own |= bit
+        w.emask[e] = own
+        w.tier_counts[t] += 1
+        h = w.table[e]
+        multi = w.multi.get(h)
+        if multi is None:
+            self.set_mask(w, h, own & ~bit, own)
+        else:
+            old = _or_all(multi)
+            multi[e if e in multi else None] = own
+            self.set_mask(w, h, old, old | bit)
+
+    def remove_tier(self, w: Worker, e: EngineHash, t: int) -> None:
+        """Tier ``t`` no longer holds ``w``'s engine block ``e``; it leaves with its last tier."""
+        own = w.emask.get(e, 1)
+        bit = 1 << t
+        if not own & bit:
+            w.stats.unknown_removals += 1
+            return
+        w.tier_counts[t] -= 1
+        own &= ~bit
+        h = w.table[e]
+        if own == 1:
+            del w.emask[e]
+        elif own:
+            w.emask[e] = own
+        else:
+            del w.table[e]
+            w.emask.pop(e, None)
+        multi = w.multi.get(h)
+        if multi is None:
+            self.set_mask(w, h, own | bit, own)
+            return
+        old = _or_all(multi)
+        k: EngineHash | None = e if e in multi else None
+        if own:
+            multi[k] = own
+        else:
+            multi.pop(k, None)
+        new = _or_all(multi)
+        if len(multi) <= 1:
+            # one engine block left: its own packed entry carries the mask again
+            del w.multi[h]
+        self.set_mask(w, h, old, new)
+
+    def drop_entries(self, w: Worker) -> None:
+        """Forget every block of ``w`` (the worker stays)."""
         bit = w.bit
         if w.table or w.rechunk is not None:
             keep = ~bit
-            for d in (self._present, self._nogpu, *self._low):
+            for d in (self.present, self.nogpu, *self.low):
                 if not d:
                     continue
                 dead = []
@@ -212,11 +281,11 @@ class IndexState:
     def worker_mask(self, w: Worker, h: int) -> int:
         """Tier mask of router block ``h`` on worker ``w`` as the global tables hold it."""
         bit = w.bit
-        if not self._present.get(h, 0) & bit:
+        if not self.present.get(h, 0) & bit:
             return 0
-        mask = 0 if self._nogpu.get(h, 0) & bit else 1
-        for t in range(1, len(self._tier_names)):
-            if self._low[t].get(h, 0) & bit:
+        mask = 0 if self.nogpu.get(h, 0) & bit else 1
+        for t in range(1, len(self.tier_names)):
+            if self.low[t].get(h, 0) & bit:
                 mask |= 1 << t
         return mask
 
@@ -225,7 +294,7 @@ class IndexState:
         if old == new:
             return
         bit = w.bit
-        present = self._present
+        present = self.present
         if not old:
             present[h] = present.get(h, 0) | bit
         elif not new:
@@ -237,29 +306,31 @@ class IndexState:
         old_ng = bool(old) and not old & 1
         new_ng = bool(new) and not new & 1
         if old_ng != new_ng:
-            _toggle(self._nogpu, h, bit, new_ng)
+            _toggle(self.nogpu, h, bit, new_ng)
         changed = (old ^ new) >> 1
         t = 1
         while changed:
             if changed & 1:
-                _toggle(self._low[t], h, bit, bool(new >> t & 1))
+                _toggle(self.low[t], h, bit, bool(new >> t & 1))
             changed >>= 1
             t += 1
 
+    # --------------------------------------------------------------- listings
+
     def block_tiers(self, key: WorkerKey, hashes: Sequence[int]) -> list[frozenset[str]]:
         """Tiers holding each leading block of ``hashes`` on one worker, up to the first gap."""
-        w = self._workers[key]
+        w = self.by_key[key]
         out: list[frozenset[str]] = []
         for h in hashes:
             mask = self.worker_mask(w, h)
             if not mask:
                 break
-            out.append(frozenset(self._tier_names[t] for t in range(MAX_TIERS) if mask >> t & 1))
+            out.append(frozenset(self.tier_names[t] for t in range(MAX_TIERS) if mask >> t & 1))
         return out
 
     def engine_blocks(self, key: WorkerKey) -> dict[str, set[EngineHash]]:
         """Engine hashes per tier on one worker: the listing the engines' ground-truth tests use."""
-        w = self._workers[key]
+        w = self.by_key[key]
         out: dict[str, set[EngineHash]] = {}
         emask = w.emask
         items: list[tuple[EngineHash, int]] = [(e, emask.get(e, 1)) for e in w.table]
@@ -268,11 +339,12 @@ class IndexState:
         for e, mask in items:
             for t in range(MAX_TIERS):
                 if mask >> t & 1:
-                    out.setdefault(self._tier_names[t], set()).add(e)
+                    out.setdefault(self.tier_names[t], set()).add(e)
         return out
 
 
 def _or_all(d: Mapping[Any, int]) -> int:
+    """The union of a ``Worker.multi`` entry's masks."""
     m = 0
     for v in d.values():
         m |= v

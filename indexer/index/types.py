@@ -1,17 +1,17 @@
-"""The index's vocabulary: worker keys, tier ids, the answers of ``match``, per-worker records
-and errors. Nothing here knows how the index is stored or walked."""
+"""The index's vocabulary: worker keys (``WorkerKey``, the one definition the router imports too),
+tier ids, the answers of ``match``, the per-worker record and errors. Nothing here knows how the
+index is stored or walked."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import msgspec
 
-from indexer.events import CANONICAL_TIERS, EngineHash
-
-if TYPE_CHECKING:  # pragma: no cover
-    from indexer.rechunk import RechunkTable
+from indexer.events import CANONICAL_TIERS, BlockStored, EngineHash
+from indexer.hashing import namespace_seed
 
 __all__ = [
     "EXTERNAL",
@@ -22,6 +22,7 @@ __all__ = [
     "ZERO",
     "IndexError_",
     "MatchResult",
+    "PagedBlocks",
     "SnapshotError",
     "Worker",
     "WorkerIndexStats",
@@ -85,7 +86,28 @@ class WorkerIndexStats:
     unknown_mediums: dict[str, int] = field(default_factory=dict)
 
 
+class PagedBlocks(Protocol):
+    """What the rest of the index sees of one worker's engine blocks whose page size is not the
+    router block size (``rechunk.RechunkTable``). A protocol so that ``Worker`` names the table
+    without importing its module, which imports this one."""
+
+    @property
+    def blocks(self) -> Mapping[EngineHash, Any]: ...
+
+    @property
+    def cover(self) -> Mapping[int, list[EngineHash]]: ...
+
+    @property
+    def tier_counts(self) -> list[int]: ...
+
+    def store(self, ev: BlockStored) -> None: ...
+
+    def remove(self, e: EngineHash, t: int) -> None: ...
+
+
 class Worker:
+    """One worker rank's record: its engine blocks, their tiers and its counters."""
+
     __slots__ = (
         "bit",
         "dups",
@@ -116,7 +138,7 @@ class Worker:
         # engine blocks of this worker map to (same tokens, different cache salt or extra keys).
         # ``None`` stands for the engine blocks that held it before the collision was seen.
         self.multi: dict[int, dict[EngineHash | None, int]] = {}
-        self.rechunk: RechunkTable | None = None
+        self.rechunk: PagedBlocks | None = None
         self.tier_counts: list[int] = [0] * MAX_TIERS
         self.stats = WorkerIndexStats()
         #: engine hash -> {tier: stores beyond the first}, for hashes stored more than once
@@ -125,6 +147,12 @@ class Worker:
         self.page = 0
         #: group_idx values seen with a partial-prefix kv_cache_spec_kind
         self.partial_groups: set[int] = set()
+
+    def seed(self, lora_name: str | None, lora_id: int | None) -> int:
+        """Root of this worker's chains for a LoRA adapter (one known by id only is named by it)."""
+        if lora_name is None and lora_id is not None:
+            lora_name = f"lora-id:{lora_id}"
+        return namespace_seed(self.model, lora_name)
 
 
 ZERO = WorkerMatch(0, {})

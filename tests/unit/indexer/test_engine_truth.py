@@ -143,7 +143,7 @@ async def test_hostile_medium_names_are_bounded_and_freed(rig: Rig) -> None:
         rig.pub.publish(evs)
     await caught_up(rig.sub, KEY, rig.pub)
     index = rig.index
-    assert len(index._tier_names) <= 16 and len(index._tier_ids) <= 16 + 16
+    assert len(index.tier_names) <= 16 and len(index._state.tier_ids) <= 16 + 16
     assert len(index.unknown_tiers) <= 16
     names = index.worker_stats(KEY).unknown_mediums
     assert len(names) == MAX_UNKNOWN_MEDIUMS + 1 and names["OTHER"] == 3000 - MAX_UNKNOWN_MEDIUMS

@@ -146,9 +146,9 @@ def test_overlay_walk_agrees_with_general_walk(
     overlay: dict[int, int] = {}
     for b, mask in predicted:
         overlay[h[b]] = overlay.get(h[b], 0) | mask
-    general = idx._match_general(h, overlay, ())
+    general = idx._matcher._match_general(h, overlay, ())
     # per run in Python, and match()'s own path (the C walk with the overlay, where built)
-    for fast in (idx._match_overlay(h, overlay), idx.match(h, overlay=overlay)):
+    for fast in (idx._matcher._match_overlay(h, overlay), idx.match(h, overlay=overlay)):
         assert fast.request_blocks == general.request_blocks
         for key in keys:
             f, g = fast.workers[key], general.workers[key]

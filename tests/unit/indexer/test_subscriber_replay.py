@@ -1,4 +1,4 @@
-"""The subscriber's replay (``indexer/subscriber_replay.py``) over real ZMQ sockets on 127.0.0.1:
+"""The subscriber's replay (``indexer/subscriber/replay.py``) over real ZMQ sockets on 127.0.0.1:
 gaps filled from a worker's replay endpoint, a missing or dead one, the join-time replay from
 zero, and the replay after a snapshot. Publishers (PUB + ROUTER replay) run as asyncio tasks in
 the test; the subscriber applies to a real PrefixIndex that also records applied seqs."""

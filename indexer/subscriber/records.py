@@ -1,17 +1,40 @@
-"""The subscriber's per-worker records: endpoints, exported stats, and the private per-rank state
-that only the subscriber task mutates (``indexer.subscriber`` owns the logic)."""
+"""The subscriber's records: worker endpoints, exported stats, and the private per-rank state that
+only the subscriber task mutates (``WorkerRank``, its sockets' ``Watch`` and its ``Replay``), plus
+the subscriber's logger. Data only: the logic lives in the package's other modules."""
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
 
 from indexer.events import EventBatch
+from indexer.index.types import WorkerKey
 
-__all__ = ["SubscriberError", "WorkerEndpoint", "WorkerStats", "rank_endpoint"]
+if TYPE_CHECKING:
+    from indexer.index import PrefixIndex
+
+__all__ = [
+    "UNANCHORED",
+    "Replay",
+    "SubscriberError",
+    "Watch",
+    "WorkerEndpoint",
+    "WorkerRank",
+    "WorkerStats",
+    "log",
+    "log_limited",
+    "rank_endpoint",
+]
+
+#: One logger for every part of the subscriber: operators configure "indexer.subscriber".
+log = logging.getLogger("indexer.subscriber")
+
+_LOG_EVERY_S = 10.0
 
 #: ``WorkerRank.last`` before anything anchors the stream: the first message is taken as it comes.
 UNANCHORED = -2
@@ -82,7 +105,8 @@ class WorkerStats:
         #: The join-time replay finished (or there is no replay endpoint).
         self.replay_done = False
         self.replaying = False
-        #: False while the rank's entries were dropped after lost events (see the module rule).
+        #: False while the rank's entries were dropped after lost events (the trust rule in
+        #: ``indexer.subscriber.writer``).
         self.trusted = True
         self.last_seq: int | None = None
         #: Batches applied to the index, live or replayed; each seq at most once.
@@ -158,7 +182,7 @@ class Replay:
         self.target = target
         self.join = join
         #: The request starts at the last applied seq: its first reply must be that batch again
-        #: (same ``ts``), or the publisher is a new process (see ``StreamLogic``).
+        #: (same ``ts``), or the publisher is a new process (see ``indexer.subscriber.replay``).
         self.verify = verify
         #: Live batches received while replaying, applied after the replay.
         self.buffer: list[EventBatch] = []
@@ -199,7 +223,7 @@ class WorkerRank:
     def __init__(self, ep: WorkerEndpoint, rank: int) -> None:
         self.worker_id = ep.worker_id
         self.rank = rank
-        self.key = (ep.worker_id, rank)
+        self.key: WorkerKey = (ep.worker_id, rank)
         self.events_ep = rank_endpoint(ep.events, rank)
         self.replay_ep = None if ep.replay is None else rank_endpoint(ep.replay, rank)
         self.sub: Watch | None = None
@@ -223,9 +247,8 @@ class WorkerRank:
         #: clear_worker calls made by the subscriber (the index counts them with AllBlocksCleared).
         self.clears = 0
 
-    def refreshed_stats(self, index: Any) -> WorkerStats:
-        """``stats`` with the seq state and the index's counters of this rank brought up to date
-        (``index``: the ``PrefixIndex``)."""
+    def refreshed_stats(self, index: PrefixIndex) -> WorkerStats:
+        """``stats`` with the seq state and the index's counters of this rank brought up to date."""
         st = self.stats
         st.last_seq = self.last if self.last >= 0 else None
         st.replaying = self.replay is not None
@@ -242,3 +265,12 @@ class WorkerRank:
         except Exception:  # the index owns that record; stats must never fail
             pass
         return st
+
+
+def log_limited(r: WorkerRank, level: int, msg: str, *args: object) -> None:
+    """Log about rank ``r`` at most once per ``_LOG_EVERY_S``: a misbehaving publisher can send
+    thousands of bad messages a second."""
+    now = time.monotonic()
+    if now >= r.next_log:
+        r.next_log = now + _LOG_EVERY_S
+        log.log(level, "worker %s rank %d: " + msg, r.worker_id, r.rank, *args)

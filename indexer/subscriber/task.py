@@ -1,54 +1,49 @@
-"""The ZMQ subscriber: the event plane's edge and the prefix index's only writer.
+"""The ``Subscriber``: the event plane's edge and the prefix index's only writer.
 
-For every worker and dp rank it owns a SUB socket on the worker's event endpoint (rank r on base
-port + r), a socket monitor that says when that connection is up, and, while a replay runs, a
-DEALER on the replay endpoint (also base port + r). One asyncio task owns them all and is the only
-code that mutates the index; ``add_worker``/``remove_worker``/``restore_seqs`` are commands to it.
-What to do with each batch (apply, replay, skip, drop) is ``indexer.subscriber_stream`` (the
-rules) and ``indexer.subscriber_replay`` (replays, and telling a new publisher process).
+For every worker and dp rank it subscribes to the worker's event endpoint (rank r on base port +
+r) and, while a replay runs, talks to its replay endpoint (also base port + r). One asyncio task
+does all of it and is the only code that mutates the index; ``add_worker``/``remove_worker``/
+``restore_seqs`` are commands to it. The subscriber holds the registry of workers and the task,
+and one of each part it composes:
 
-Sockets are plain pyzmq sockets driven from asyncio: each ``zmq.FD`` is registered with the loop,
-a ready socket is drained with ``NOBLOCK`` receives (bounded per round so one worker cannot starve
-the others), and the task yields to the loop after every round: no future per message.
+- ``sockets.Sockets``: the sockets, their registration with the loop, the task's wait;
+- ``stream.StreamRules``: what to do with each live batch and connection event;
+- ``replay.Replays``: replays, and telling a new publisher process;
+- ``writer.IndexWriter``: the writes to the index both of those make.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
-import logging
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from indexer.events import EventBatch, ResumePoint
-from indexer.subscriber_replay import ReplayLogic
-from indexer.subscriber_state import (
+from indexer.index.types import WorkerKey
+from indexer.subscriber.records import (
     SubscriberError,
-    Watch,
     WorkerEndpoint,
     WorkerRank,
     WorkerStats,
+    log,
     rank_endpoint,
 )
-from indexer.wire import decode_message
+from indexer.subscriber.replay import Replays
+from indexer.subscriber.sockets import Sockets
+from indexer.subscriber.stream import StreamRules
+from indexer.subscriber.writer import IndexWriter
 
 if TYPE_CHECKING:
-    from indexer.index import PrefixIndex, WorkerKey
+    from indexer.index import PrefixIndex
 
-__all__ = ["Subscriber", "SubscriberError", "WorkerEndpoint", "WorkerStats", "rank_endpoint"]
-
-_log = logging.getLogger(__name__)
-
-_DRAIN_CAP = 512  # messages per socket per round
-_MON_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
-_NOBLOCK = int(zmq.NOBLOCK)  # a plain int skips pyzmq's per-call flag enum conversion
+__all__ = ["Subscriber"]
 
 
-class Subscriber(ReplayLogic):
+class Subscriber:
     """Subscribes to every worker's KV event stream and applies it to ``index``."""
 
     def __init__(
@@ -65,22 +60,21 @@ class Subscriber(ReplayLogic):
         self._index = index
         self._own_ctx = context is None
         self._ctx: zmq.Context[Any] = zmq.Context() if context is None else context
-        self._replay_timeout = replay_timeout
         self._clock = clock
-        self._rcvhwm = rcvhwm
-        self._max_buffered = max_buffered
-        # ZMQ_MAXMSGSIZE of publisher-facing sockets: a peer sending more is cut off unbuffered
-        self._max_message_bytes = max_message_bytes
+        self._sockets = Sockets(self._ctx, rcvhwm=rcvhwm, max_message_bytes=max_message_bytes)
+        writer = IndexWriter(index)
+        self._replays = Replays(
+            writer, self._sockets, clock=clock, timeout=replay_timeout, then=self._after_replay
+        )
+        self._stream = StreamRules(
+            index, writer, self._replays, self._sockets, clock=clock, max_buffered=max_buffered
+        )
         self._workers: dict[str, tuple[WorkerEndpoint, list[WorkerRank]]] = {}
-        self._restored: dict[tuple[str, int], int] = {}
-        self._ready: dict[Watch, None] = {}
-        self._replaying: set[WorkerRank] = set()
+        self._restored: dict[WorkerKey, int] = {}
         self._commands: deque[tuple[str, Any, asyncio.Future[None] | None]] = deque()
-        self._wake: asyncio.Future[None] | None = None
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self._closed = False
-        self._mon_ids = itertools.count()
 
     # ----------------------------------------------------------------- public API
 
@@ -94,7 +88,7 @@ class Subscriber(ReplayLogic):
         if self._closed:
             return
         self._closing = True
-        self._wakeup()
+        self._sockets.wakeup()
         if self._task is not None:
             await self._task
         self._closed = True
@@ -127,20 +121,11 @@ class Subscriber(ReplayLogic):
 
     def stats(self) -> dict[WorkerKey, WorkerStats]:
         """Per (worker_id, dp_rank) stats, refreshed from the index (the objects are live)."""
-        return {
-            r.key: r.refreshed_stats(self._index)
-            for _, ranks in self._workers.values()
-            for r in ranks
-        }
+        return {r.key: r.refreshed_stats(self._index) for r in self._ranks()}
 
     def resume_points(self) -> dict[WorkerKey, ResumePoint]:
         """Per worker rank: the last applied seq and its batch's ts, what a snapshot records."""
-        return {
-            r.key: ResumePoint(r.last, r.last_ts)
-            for _, ranks in self._workers.values()
-            for r in ranks
-            if r.last >= 0
-        }
+        return {r.key: ResumePoint(r.last, r.last_ts) for r in self._ranks() if r.last >= 0}
 
     def workers(self) -> dict[str, WorkerEndpoint]:
         return {wid: ep for wid, (ep, _) in self._workers.items()}
@@ -162,6 +147,10 @@ class Subscriber(ReplayLogic):
         last = max((t for t in stamps if t is not None), default=None)
         return None if last is None else max(0.0, self._clock() - last)
 
+    def _ranks(self) -> Iterable[WorkerRank]:
+        for _, ranks in self._workers.values():
+            yield from ranks
+
     # ---------------------------------------------------------------- commands
 
     async def _submit(self, kind: str, arg: Any) -> None:
@@ -172,7 +161,7 @@ class Subscriber(ReplayLogic):
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._commands.append((kind, arg, fut))
-        self._wakeup()
+        self._sockets.wakeup()
         await fut
 
     def _post(self, kind: str, arg: Any) -> None:
@@ -180,7 +169,7 @@ class Subscriber(ReplayLogic):
             self._execute(kind, arg)
         else:
             self._commands.append((kind, arg, None))
-            self._wakeup()
+            self._sockets.wakeup()
 
     def _run_commands(self) -> None:
         while self._commands:
@@ -189,7 +178,7 @@ class Subscriber(ReplayLogic):
                 self._execute(kind, arg)
             except Exception as exc:
                 if fut is None:
-                    _log.exception("subscriber command %s failed", kind)
+                    log.exception("subscriber command %s failed", kind)
                 elif not fut.done():
                     fut.set_exception(exc)
                 continue
@@ -216,12 +205,12 @@ class Subscriber(ReplayLogic):
                 self._index.add_worker(ep.worker_id, rank, model=ep.model)
                 r = WorkerRank(ep, rank)
                 ranks.append(r)
-                self._open_rank(r)
+                self._sockets.open_rank(r, self._stream.drain_sub, self._stream.drain_mon)
                 seq = self._restored.pop(r.key, None)
                 if seq is not None:
                     r.last, r.last_ts = int(seq), getattr(seq, "ts", None)
                 if r.replay_ep is not None:
-                    self._resume(r, join=True)
+                    self._replays.resume(r, join=True)
                 else:
                     r.stats.replay_done = True
         except Exception as exc:
@@ -243,158 +232,66 @@ class Subscriber(ReplayLogic):
         for key in [k for k in self._restored if k[0] == worker_id]:
             del self._restored[key]
 
-    # ------------------------------------------------------------------ sockets
-
-    def _open_rank(self, r: WorkerRank) -> None:
-        loop = asyncio.get_running_loop()
-        sub: zmq.Socket[bytes] = self._ctx.socket(zmq.SUB, socket_class=zmq.Socket)
-        r.sub = Watch(sub, self._drain_sub, r)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.RCVHWM, self._rcvhwm)
-        sub.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        addr = f"inproc://kvrouter-subscriber-monitor-{id(self):x}-{next(self._mon_ids)}"
-        sub.monitor(addr, _MON_EVENTS)
-        mon: zmq.Socket[bytes] = self._ctx.socket(zmq.PAIR, socket_class=zmq.Socket)
-        r.mon = Watch(mon, self._drain_mon, r)
-        mon.setsockopt(zmq.LINGER, 0)
-        mon.connect(addr)
-        sub.connect(r.events_ep)
-        if r.events_ep.startswith("inproc://"):  # no handshake, so no monitor event, in-process
-            r.stats.connected = r.ever_connected = True
-        for w in (r.sub, r.mon):
-            loop.add_reader(w.fd, self._on_fd, w)
-            self._on_fd(w)
-
-    def _close_watch(self, w: Watch | None) -> None:
-        if w is None or w.closed:
-            return
-        w.closed = True
-        self._ready.pop(w, None)
-        try:
-            asyncio.get_running_loop().remove_reader(w.fd)
-        except RuntimeError:  # no running loop (closing outside one): nothing is registered
-            pass
-        w.sock.close(linger=0)
+    def _do_restore(self, seqs: dict[WorkerKey, int]) -> None:
+        for key, seq in seqs.items():
+            entry = self._workers.get(key[0])
+            r = next((x for x in entry[1] if x.rank == key[1]), None) if entry else None
+            if r is None:
+                self._restored[key] = seq  # applied when the worker is added
+                continue
+            if r.replay is not None:
+                self._replays.abort(r)
+            r.last, r.live_last, r.last_ts = int(seq), -1, getattr(seq, "ts", None)
+            if r.replay_ep is not None:
+                self._replays.resume(r, join=False)
 
     def _close_rank(self, r: WorkerRank) -> None:
         if r.replay is not None:
-            self._abort_replay(r)
-        if r.sub is not None and not r.sub.closed:
-            try:
-                r.sub.sock.disable_monitor()
-            except zmq.ZMQError:
-                pass
-        self._close_watch(r.mon)
-        self._close_watch(r.sub)
+            self._replays.abort(r)
+        self._sockets.close_rank(r)
 
-    def _on_fd(self, w: Watch) -> None:
-        # ZMQ_FD is edge-like: reading ZMQ_EVENTS resets it, so check here and queue the socket.
-        if w.closed:
-            return
-        try:
-            events: int = w.sock.getsockopt(zmq.EVENTS)  # type: ignore[assignment]
-        except zmq.ZMQError:
-            return
-        if events & zmq.POLLIN:
-            self._ready[w] = None
-            self._wakeup()
-
-    def _wakeup(self) -> None:
-        wake = self._wake
-        if wake is not None and not wake.done():
-            wake.set_result(None)
+    def _after_replay(
+        self, r: WorkerRank, buffered: list[EventBatch], covered: tuple[int, int] | None
+    ) -> None:
+        # Replays are made before the stream rules (which start them); this defers the lookup.
+        self._stream.after_replay(r, buffered, covered)
 
     # ---------------------------------------------------------------- the task
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
+        sockets, ready = self._sockets, self._sockets.ready
         while True:
             try:
                 if self._commands:
                     self._run_commands()
                 if self._closing:
                     break
-                timeout = self._check_deadlines() if self._replaying else None
-                if not self._ready:
-                    await self._wait(loop, timeout)
+                timeout = self._replays.check_deadlines() if self._replays.running else None
+                if not ready:
+                    await sockets.wait(timeout)
                     continue
-                batch = list(self._ready)
-                self._ready.clear()
+                batch = list(ready)
+                ready.clear()
                 for w in batch:
                     if w.closed:
                         continue
                     try:
                         more = w.drain(w.owner)
                     except Exception:  # a bug must not stop the other workers' streams
-                        _log.exception("subscriber: draining %s failed", w.owner.key)
-                        self._on_fd(w)  # requeue it if it still holds messages
+                        log.exception("subscriber: draining %s failed", w.owner.key)
+                        sockets.on_fd(w)  # requeue it if it still holds messages
                         continue
                     if more and not w.closed:
-                        self._ready[w] = None
+                        ready[w] = None
                 if self._index.max_entries:
                     self._index.enforce_cap()
                 await asyncio.sleep(0)
             except asyncio.CancelledError:
                 raise
             except Exception:
-                _log.exception("subscriber loop error")
+                log.exception("subscriber loop error")
                 await asyncio.sleep(0.01)
         for _, _, fut in self._commands:
             if fut is not None and not fut.done():
                 fut.set_exception(SubscriberError("subscriber is closed"))
         self._commands.clear()
-
-    async def _wait(self, loop: asyncio.AbstractEventLoop, timeout: float | None) -> None:
-        wake = self._wake = loop.create_future()
-        timer = None if timeout is None else loop.call_later(timeout, self._wakeup)
-        try:
-            await wake
-        finally:
-            self._wake = None
-            if timer is not None:
-                timer.cancel()
-
-    # ------------------------------------------------------------ live stream
-
-    def _drain_sub(self, r: WorkerRank) -> bool:
-        # The hot path: keep per-message work to a recv, a decode, a compare and the index call.
-        recv = r.sub.sock.recv_multipart  # type: ignore[union-attr]
-        apply = self._index.apply_batch
-        wid, rank, st = r.worker_id, r.rank, r.stats
-        n = applied = 0
-        last_batch: EventBatch | None = None
-        while n < _DRAIN_CAP:
-            try:
-                frames = recv(_NOBLOCK)
-            except zmq.Again:
-                break
-            n += 1
-            try:
-                batch = decode_message(frames)
-            except Exception as exc:  # WireError, or a decoder bug: this message is lost either way
-                self._malformed(r, exc)
-                continue
-            last_batch = batch
-            if batch.seq == r.last + 1 and r.fast:
-                r.last = r.live_last = batch.seq
-                r.last_ts = batch.ts
-                try:
-                    apply(wid, batch, dp_rank=rank)
-                except Exception as exc:
-                    self._apply_failed(r, batch, exc)
-                applied += 1
-                if batch.unknown_events:
-                    st.unknown_events += batch.unknown_events
-            else:
-                try:
-                    self._on_live(r, batch)
-                except Exception as exc:
-                    self._apply_failed(r, batch, exc)
-        st.messages += applied
-        if n:
-            now = self._clock()
-            st.last_message_at = now
-            if last_batch is not None:
-                st.lag_s = now - last_batch.ts
-        return n == _DRAIN_CAP
