@@ -15,7 +15,7 @@ Two stand-ins, measured with ``bench_route.py``'s own client and request shapes:
    requests/s. Its added latency is the price of one more hop with no routing at all.
 
 ``--serve-asgi h11|httptools`` serves the same fixed answer as a bare ASGI app on uvicorn, with
-the router's own server settings (``router.http``): what the maintained server alone costs.
+the router's own server settings (``router.edge.server``): what the maintained server alone costs.
 ``bench_vs_dynamo.py --floors`` measures both next to the router and Dynamo in one run.
 """
 
@@ -46,7 +46,7 @@ def serve(upstream: str | None) -> None:
     import httptools
     import uvloop
 
-    from router.upstream import UpstreamPool
+    from router.fleet.upstream import UpstreamPool
 
     pool = UpstreamPool(connect_s=2, read_s=30, write_s=30)
 
@@ -93,13 +93,13 @@ def serve(upstream: str | None) -> None:
 
 def serve_asgi(http: str) -> None:
     """The fixed answer from a bare ASGI app on uvicorn (``http``: its h11 or httptools
-    protocol), served as the router is: ``router.http.server_config`` (default settings) and
+    protocol), served as the router is: ``router.edge.server.server_config`` (default settings) and
     ``RouterServer``."""
     from types import SimpleNamespace
 
     import uvloop
 
-    from router.http import RouterServer, server_config
+    from router.edge.server import RouterServer, server_config
     from router.settings import load_settings
 
     class Floor:

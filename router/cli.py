@@ -19,8 +19,8 @@ from typing import Any
 
 import uvicorn
 
+from router.edge.server import RouterServer
 from router.errors import ConfigError
-from router.http import RouterServer
 from router.settings import Settings, load_settings
 
 __all__ = ["build_parser", "main", "settings_from_args"]
@@ -113,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         settings = settings_from_args(args)
-        from router.app import create_app
+        from router.edge.app import create_app
 
         app = create_app(settings)
     except ConfigError as e:
@@ -124,14 +124,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     if settings.log_format == "json":
-        from router.access import JsonFormatter
+        from router.edge.access import JsonFormatter
 
         for handler in logging.getLogger().handlers:
             handler.setFormatter(JsonFormatter())
     # httpx logs every health check at INFO: keep it for debugging only
     if settings.log_level not in ("debug", "trace"):
         logging.getLogger("httpx").setLevel(logging.WARNING)
-    from router.http import server_config
+    from router.edge.server import server_config
 
     config = server_config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level

@@ -1,18 +1,20 @@
-"""The router's exception hierarchy and its JSON error body ``{"error": {"message", "type"}}``.
+"""The router's exception hierarchy and its JSON error body ``{"error": {"message", "type"}}``:
+the one home of both, at the bottom of the router's layers (no HTTP library here; the edge wraps
+the body in a response, :func:`router.edge.bodies.error_response`).
 
-Handlers raise these; the app turns every one into the documented status code. Lower-level errors
+Handlers raise these; the edge turns every one into the documented status code. Lower-level errors
 (msgspec, httpx, tokenizers) are translated with ``raise ... from`` where they cross into the router.
 """
 
 from __future__ import annotations
 
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import msgspec
-from starlette.responses import Response
 
 __all__ = [
+    "BadGateway",
     "BadRequest",
     "ConfigError",
     "Conflict",
@@ -30,10 +32,8 @@ __all__ = [
     "TooManyRequests",
     "Unauthorized",
     "UnprocessableEntity",
-    "UpstreamError",
     "config_check",
     "error_json",
-    "error_response",
     "require_bearer",
 ]
 
@@ -127,8 +127,10 @@ class NoHealthyWorker(RouterError):
     type = "service_unavailable"
 
 
-class UpstreamError(RouterError):
-    """Every candidate worker failed before anything reached the client."""
+class BadGateway(RouterError):
+    """The chosen worker failed (every candidate tried, or one that may have the request).
+    Not to be confused with :class:`router.fleet.upstream.UpstreamError`, the HTTP client's own
+    failure, which the proxy translates into this."""
 
     status = 502
     type = "upstream_error"
@@ -165,10 +167,3 @@ _encode = msgspec.json.Encoder().encode
 def error_json(message: str, type_: str) -> bytes:
     """The body of every error answer: ``{"error": {"message", "type", "param", "code"}}``."""
     return _encode(ErrorBody(ErrorDetail(message, type_)))
-
-
-def error_response(
-    status: int, message: str, type_: str, headers: Mapping[str, str] | None = None
-) -> Response:
-    body = error_json(message, type_)
-    return Response(body, status_code=status, media_type="application/json", headers=headers)

@@ -6,9 +6,9 @@ Every policy answers ``place(request, tokens, now) -> (worker, handle)`` and hea
 
 * ``random``, ``round_robin``, ``least_load`` (fewest requests outstanding, ties in turn): the
   client-side baselines, as in live mode.
-* ``kvrouter``: the router itself — :class:`router.service.RouterState` on the simulated clock,
-  its index fed by the workers' events, ``place`` + ``commit`` as the proxy calls them, the
-  ticket released at the first token and the end, as the proxy does.
+* ``kvrouter``: the router itself — its placement core, :class:`router.placement.Placer`, on the
+  simulated clock, over an index fed by the workers' events, ``place`` + ``fly`` as the proxy
+  calls them, the flight's first byte at the first token and its end at the last, as the proxy.
 * ``cache_aware``: sglang-router 0.3.2's ``--policy cache_aware`` with its defaults, emulated so
   the peer's rule runs in virtual time too: a tree of what was *routed* to each worker (no KV
   event), requests outstanding as load; when ``max − min > 64`` and ``max > 1.5·min`` the least
@@ -22,7 +22,6 @@ Every policy answers ``place(request, tokens, now) -> (worker, handle)`` and hea
 
 from __future__ import annotations
 
-import asyncio
 import random
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,9 +31,10 @@ import msgspec
 from engine.engine import LLMEngine
 from engine.runner.sim import SimRunner
 from indexer.events import Event
+from indexer.index import PrefixIndex
 from kvrouter.replay.trace import leading_run
-from router.flight import Flight
-from router.service import RouterState
+from router.fleet.registry import Registry
+from router.placement import Placer
 from router.settings import Settings, WorkerConfig
 
 __all__ = ["VIRTUAL_POLICIES", "Policy", "make_policy"]
@@ -118,21 +118,25 @@ class KvrouterPolicy(Policy):
             settings = msgspec.structs.replace(
                 settings, scoring=msgspec.structs.replace(settings.scoring, seed=0)
             )
-        self.state = RouterState(settings, clock=clock)
+        # the worker table and the index the Placer reads: the replay feeds both (the index
+        # from the engines' events), so nothing here opens a socket
+        fleet = Registry(settings.health, clock=clock)
+        self.index = PrefixIndex(settings.block_size)
+        self.placer = Placer(settings, self.index, fleet, clock=clock)
         self.keys = []
         for w in range(len(engines)):
             cfg = WorkerConfig(
                 id=f"w{w}", url=f"http://w{w}.invalid", events_endpoint="tcp://127.0.0.1:9"
             )  # never dialled
-            self.state.registry.add(cfg)
-            self.state.index.add_worker(cfg.id, 0, model=cfg.model)
+            fleet.add(cfg)
+            self.index.add_worker(cfg.id, 0, model=cfg.model)
             self.keys.append((cfg.id, 0))
         self._slot = {k: w for w, k in enumerate(self.keys)}
 
     def choose(self, tokens: Sequence[int], now: float) -> tuple[int, Any]:
-        d = self.state.place(tokens)
+        d = self.placer.place(tokens)
         best = d.order[0]
-        flight = Flight(self.state, d, best, "proxy", endpoint="completions")
+        flight = self.placer.fly(d, best, "proxy", endpoint="completions")
         return self._slot[d.candidates[best].key], flight
 
     def first_token(self, handle: Any, now: float) -> None:
@@ -143,16 +147,9 @@ class KvrouterPolicy(Policy):
         handle[1].done("200")
 
     def events(self, worker: int, events: Sequence[Event], now: float) -> None:
-        key, apply = self.keys[worker], self.state.index.apply_event
+        key, apply = self.keys[worker], self.index.apply_event
         for ev in events:
             apply(key, ev)
-
-    def close(self) -> None:
-        async def aclose() -> None:  # never started: this only releases the ZMQ context
-            await self.state.subscriber.aclose()
-            await self.state.upstream.aclose()
-
-        asyncio.run(aclose())
 
 
 class CacheAwarePolicy(Policy):

@@ -11,15 +11,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Annotated, Any, TypeVar
 
 import msgspec
 from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
 
 from indexer.hashing import chain_hashes
 from indexer.hashing import chain_hashes_json as _hash_json
-from router.errors import BadRequest, PayloadTooLarge, RequestTimeout, UnprocessableEntity
+from router.errors import (
+    BadRequest,
+    PayloadTooLarge,
+    RequestTimeout,
+    UnprocessableEntity,
+    error_json,
+)
 from router.settings import describe_validation_error
 
 try:  # the /route body scanner (router/_native.c); without it the whole body is decoded
@@ -38,6 +45,7 @@ __all__ = [
     "decode",
     "decode_route",
     "encode",
+    "error_response",
     "read_body",
 ]
 
@@ -109,8 +117,12 @@ class RouteOut(msgspec.Struct, omit_defaults=True, gc=False):
     url: str
     block_size: int
     request_blocks: int
-    cached_blocks: int
+    #: blocks of the request's leading run the chosen worker holds, on any tier
+    matched_blocks: int
     candidates: list[CandidateOut]
+    #: deprecated name of ``matched_blocks`` (same value), kept for old clients: the README's
+    #: "Changes" lists it
+    cached_blocks: int = 0
     route_id: str | None = None
 
 
@@ -156,6 +168,16 @@ class JsonTokens:
 
 
 encode = msgspec.json.Encoder().encode
+
+
+def error_response(
+    status: int, message: str, type_: str, headers: Mapping[str, str] | None = None
+) -> Response:
+    """An error answer: :func:`router.errors.error_json` (the one error body) as a response."""
+    body = error_json(message, type_)
+    return Response(body, status_code=status, media_type="application/json", headers=headers)
+
+
 _route_decoder = msgspec.json.Decoder(RouteRequest)
 
 

@@ -23,7 +23,8 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from router.errors import MethodNotAllowed, RouterError, error_response
+from router.edge.bodies import error_response
+from router.errors import MethodNotAllowed, RouterError
 
 __all__ = ["RouterApp"]
 

@@ -2,7 +2,7 @@
 
 The endpoints are plain Starlette routes and an ASGI fast path for ``POST /route``, so FastAPI
 infers nothing from them; the document is built here from the same msgspec Structs the handlers
-decode and encode (``router.api``, ``router.errors``), so it cannot drift from what is parsed.
+decode and encode (``router.edge.bodies``, ``router.errors``), so it cannot drift from what is parsed.
 The one rewrite: ``RouteRequest.token_ids`` is kept as raw JSON text on the hot path (it is hashed
 from the text); the document describes what that text must be, an array of token ids.
 """
@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from router.api import ChatBody, CompletionBody, RouteOut, RouteRequest, TokenId, WorkerIn
+from router.edge.bodies import ChatBody, CompletionBody, RouteOut, RouteRequest, TokenId, WorkerIn
 from router.errors import ErrorBody
 
 __all__ = ["openapi_document"]

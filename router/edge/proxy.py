@@ -29,7 +29,7 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import Receive, Scope, Send
 
-from router.api import (
+from router.edge.bodies import (
     ChatBody,
     CompletionBody,
     check_messages,
@@ -38,6 +38,7 @@ from router.api import (
     read_body,
 )
 from router.errors import (
+    BadGateway,
     BadRequest,
     GatewayTimeout,
     NoHealthyWorker,
@@ -46,10 +47,9 @@ from router.errors import (
     error_json,
     require_bearer,
 )
-from router.errors import UpstreamError as BadGateway
-from router.flight import Flight, cached_tokens_of
-from router.service import RouterState
-from router.upstream import ConnectError, ReadTimeout, UpstreamError, UpstreamResponse
+from router.fleet.upstream import ConnectError, ReadTimeout, UpstreamError, UpstreamResponse
+from router.placement import Flight, cached_tokens_of
+from router.runtime import Runtime
 
 __all__ = ["AsgiProxy", "Responder", "proxy_request"]
 
@@ -81,7 +81,7 @@ class Responder:
         raise NotImplementedError
 
 
-async def _tokens(state: RouterState, endpoint: str, body: bytes) -> tuple[Any, list[int], bool]:
+async def _tokens(state: Runtime, endpoint: str, body: bytes) -> tuple[Any, list[int], bool]:
     if endpoint == "completions":
         req: Any = decode(body, CompletionBody)
         src = completion_tokens_source(req.prompt)
@@ -98,7 +98,7 @@ async def _tokens(state: RouterState, endpoint: str, body: bytes) -> tuple[Any, 
 
 
 async def _exchange(
-    state: RouterState,
+    state: Runtime,
     url: str,
     path: str,
     headers: list[tuple[str, str]],
@@ -118,7 +118,7 @@ async def _exchange(
 
 
 async def proxy_request(
-    state: RouterState,
+    state: Runtime,
     endpoint: str,
     body: bytes,
     header: Callable[[str], str | None],
@@ -135,7 +135,8 @@ async def proxy_request(
     if state.inflight >= s.max_inflight:
         raise TooManyRequests(f"over max_inflight ({s.max_inflight} requests in flight)")
     req, tokens, stream = await _tokens(state, endpoint, body)
-    d = state.place(tokens, req.model, req.lora_name, req.cache_salt)
+    placer = state.placer
+    d = placer.place(tokens, req.model, req.lora_name, req.cache_salt)
     if not d.order:
         raise NoHealthyWorker("no healthy worker for this request")
     path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
@@ -160,7 +161,7 @@ async def proxy_request(
             headers = fwd
             if ws.config.dp_ranks > 1:
                 headers = [*fwd, ("X-Data-Parallel-Rank", str(cand.key[1]))]
-            flight = Flight(state, d, i, "proxy", endpoint=endpoint, t0=t0)
+            flight = placer.fly(d, i, "proxy", endpoint=endpoint, t0=t0)
             try:
                 resp, content = await _exchange(state, ws.url, path, headers, body, stream=stream)
             except asyncio.CancelledError:
@@ -180,10 +181,12 @@ async def proxy_request(
                 if isinstance(e, ReadTimeout):
                     raise GatewayTimeout(f"worker {ws.id}: {type(e).__name__}: {e}") from e
                 raise BadGateway(f"worker {ws.id} failed: {type(e).__name__}: {e}") from e
+            matched = str(cand.matched_blocks).encode()
             out_headers: Headers = [
                 (b"content-type", _content_type(resp.header("content-type"), content)),
                 (b"x-kvrouter-worker", ws.id.encode()),
-                (b"x-kvrouter-cached-blocks", str(cand.matched_blocks).encode()),
+                (b"x-kvrouter-matched-blocks", matched),
+                (b"x-kvrouter-cached-blocks", matched),  # deprecated name of the same number
             ]
             if ws.config.dp_ranks > 1:
                 out_headers.append((b"x-kvrouter-dp-rank", str(cand.key[1]).encode()))
@@ -262,7 +265,7 @@ class _AsgiOut(Responder):
 
 class AsgiProxy:
     """The proxy as a plain ASGI endpoint (``endpoint``: ``completions`` or ``chat``), which
-    :class:`router.edge.RouterApp` calls: the body is read, :func:`proxy_request` runs in a task,
+    :class:`router.edge.dispatch.RouterApp` calls: the body is read, :func:`proxy_request` runs in a task,
     and a client disconnect cancels it. ``app_state`` is the app's ``state`` (``kv`` once
     started)."""
 
@@ -271,7 +274,7 @@ class AsgiProxy:
         self.app_state = app_state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        state: RouterState = self.app_state.kv
+        state: Runtime = self.app_state.kv
         t0 = time.perf_counter()
         out = _AsgiOut(send)
         request = Request(scope, receive)

@@ -14,7 +14,7 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import Receive, Scope, Send
 
-from router.api import (
+from router.edge.bodies import (
     CandidateOut,
     JsonTokens,
     RouteOut,
@@ -31,26 +31,17 @@ from router.errors import (
     error_json,
     require_bearer,
 )
-from router.flight import Flight
-from router.scoring import tier_breakdown
-from router.service import RouterState
+from router.placement.scoring import tier_breakdown
+from router.runtime import Runtime
 
-__all__ = ["RouteEndpoint", "route_answer", "route_answer_now"]
-
-
-def route_answer_now(state: RouterState, body: bytes) -> bytes | None:
-    """The answer when it needs no await (the body has ``token_ids``), else None; raises
-    :class:`RouterError` subclasses. The HTTP protocol calls this straight from its parser."""
-    t0 = time.perf_counter()
-    req, tokens = decode_route(body)
-    if tokens is None:
-        return None
-    return _answer(state, req, tokens, t0)
+__all__ = ["RouteEndpoint", "route_answer"]
 
 
-async def route_answer(state: RouterState, body: bytes) -> bytes:
-    """The JSON answer to a ``/route`` body, tokenizing when it has no ``token_ids``."""
-    t0 = time.perf_counter()
+async def route_answer(state: Runtime, body: bytes, t0: float | None = None) -> bytes:
+    """The JSON answer to a ``/route`` body (decoded once); raises :class:`RouterError`
+    subclasses. With ``token_ids`` it never awaits; text waits for the tokenizer."""
+    if t0 is None:
+        t0 = time.perf_counter()
     req, json_tokens = decode_route(body)
     tokens: list[int] | JsonTokens
     if json_tokens is not None:
@@ -65,20 +56,18 @@ async def route_answer(state: RouterState, body: bytes) -> bytes:
     return _answer(state, req, tokens, t0)
 
 
-def _answer(
-    state: RouterState, req: RouteRequest, tokens: list[int] | JsonTokens, t0: float
-) -> bytes:
-    d = state.place(tokens, req.model, req.lora_name, req.cache_salt)
+def _answer(state: Runtime, req: RouteRequest, tokens: list[int] | JsonTokens, t0: float) -> bytes:
+    placer = state.placer
+    d = placer.place(tokens, req.model, req.lora_name, req.cache_salt)
     if not d.order:
         raise NoHealthyWorker("no healthy worker for this request")
     best = d.order[0]
     c = d.candidates[best]
     route_id = None
-    m = state.metrics
     if req.account:
-        route_id = state.accounts.add(Flight(state, d, best, "route_account", t0=t0))
+        route_id = placer.accounts.add(placer.fly(d, best, "route_account", t0=t0))
     else:
-        m.child(m.route_decisions, c.key[0], "route").inc()
+        placer.chose(d, best, "route")
     breakdowns: dict[int, dict[str, int]] = {}
     out = RouteOut(
         worker_id=c.key[0],
@@ -86,6 +75,7 @@ def _answer(
         url=d.states[best].url,
         block_size=d.block_size,
         request_blocks=d.n,
+        matched_blocks=c.matched_blocks,
         cached_blocks=c.matched_blocks,
         candidates=[
             CandidateOut(
@@ -107,7 +97,7 @@ def _answer(
         route_id=route_id,
     )
     data = encode(out)
-    m.route_latency.observe(time.perf_counter() - t0)
+    state.metrics.route_latency.observe(time.perf_counter() - t0)
     return data
 
 
@@ -120,7 +110,7 @@ def _breakdown(by_tier: Mapping[str, int], seen: dict[int, dict[str, int]]) -> d
 
 
 class RouteEndpoint:
-    """``POST /route`` as a plain ASGI endpoint, which :class:`router.edge.RouterApp` calls ahead
+    """``POST /route`` as a plain ASGI endpoint, which :class:`router.edge.dispatch.RouterApp` calls ahead
     of FastAPI: the placement API is the router's hot path, and FastAPI's router and exception
     layers cost as much as the answer itself. ``app_state`` is the app's ``state`` (its ``kv``
     is set when the lifespan starts)."""
@@ -129,7 +119,7 @@ class RouteEndpoint:
         self.app_state = app_state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        state: RouterState = self.app_state.kv
+        state: Runtime = self.app_state.kv
         s = state.settings
         status, headers = 200, [(b"content-type", b"application/json")]
         try:
@@ -139,9 +129,7 @@ class RouteEndpoint:
             body = await read_body(
                 Request(scope, receive), s.proxy.max_body_bytes, s.server.body_timeout_s
             )
-            answer = route_answer_now(state, body)
-            if answer is None:
-                answer = await route_answer(state, body)
+            answer = await route_answer(state, body)
         except ClientDisconnect:
             return
         except RouterError as e:

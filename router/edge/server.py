@@ -11,7 +11,7 @@ What the router asks of uvicorn (``server:`` in the config):
   so idle sockets cannot exhaust the process's file descriptors;
 - ``keep_alive_timeout_s`` → ``timeout_keep_alive``: an idle keep-alive connection is closed;
 - ``max_header_bytes`` → ``h11_max_incomplete_event_size`` (with ``http: h11``);
-- ``body_timeout_s``: enforced by :func:`router.api.read_body` around the body it reads;
+- ``body_timeout_s``: enforced by :func:`router.edge.bodies.read_body` around the body it reads;
 - ``head_timeout_s``: uvicorn has no head read timeout (a client may send one header byte every
   few seconds for ever, and any byte cancels its keep-alive timer), so :class:`RouterServer`
   enforces one: a connection with no request in progress — from accept, or from the end of its
@@ -39,7 +39,7 @@ log = logging.getLogger("kvrouter.http")
 
 
 def server_config(app: Any, **kwargs: Any) -> uvicorn.Config:
-    """A uvicorn config serving a router app (from :func:`router.app.create_app`) with the
+    """A uvicorn config serving a router app (from :func:`router.edge.app.create_app`) with the
     limits of its settings; ``kwargs`` (host, port, log_level...) win."""
     s = app.state.settings.server
     kwargs.setdefault("http", s.http)
@@ -59,7 +59,7 @@ class RouterServer(uvicorn.Server):
 
     def __init__(self, config: uvicorn.Config) -> None:
         super().__init__(config)
-        app: Any = config.app  # a router app (router.app.create_app), as server_config takes
+        app: Any = config.app  # a router app (router.edge.app.create_app), as server_config takes
         self._head_timeout_s: float = app.state.settings.server.head_timeout_s
         self._app_state = app.state
         #: connection -> (since when it has had no request in progress, its request cycle then)

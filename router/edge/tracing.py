@@ -2,7 +2,7 @@
 
 One server span per request from OpenTelemetry's own ASGI middleware, outermost, exported over
 OTLP/HTTP in batches from a background thread. The span carries the routing decision through the
-response headers it records (``x-kvrouter-worker``, ``x-kvrouter-cached-blocks``,
+response headers it records (``x-kvrouter-worker``, ``x-kvrouter-matched-blocks``,
 ``x-request-id``); the proxy passes the span's context to the worker as ``traceparent`` so the
 worker's spans join the trace. Per-chunk ``send``/``receive`` spans are off: a stream of a
 thousand tokens would otherwise make a thousand spans. Off (the default), nothing is imported.
@@ -19,7 +19,12 @@ from router.settings import TracingSettings
 __all__ = ["Tracing", "inject_trace_headers"]
 
 #: response headers recorded on the server span (the decision and the request id)
-RECORDED_HEADERS = ["x-kvrouter-worker", "x-kvrouter-cached-blocks", "x-request-id"]
+RECORDED_HEADERS = [
+    "x-kvrouter-worker",
+    "x-kvrouter-matched-blocks",
+    "x-kvrouter-cached-blocks",
+    "x-request-id",
+]
 
 
 class Tracing:

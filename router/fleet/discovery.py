@@ -33,9 +33,9 @@ from typing import Any, Protocol
 import msgspec
 
 from router.errors import ConfigError, RouterError
-from router.pods import PodNotUsable, fetch_sources, pod_ready, worker_for_pod
+from router.fleet.pods import PodNotUsable, fetch_sources, pod_ready, worker_for_pod
+from router.fleet.upstream import UpstreamPool
 from router.settings import DiscoverySettings, WorkerConfig
-from router.upstream import UpstreamPool
 
 __all__ = ["KubernetesDiscovery", "WorkerSink"]
 
@@ -43,7 +43,7 @@ log = logging.getLogger("kvrouter.discovery")
 
 
 class WorkerSink(Protocol):
-    """What discovery changes: the router's worker set (``RouterState``)."""
+    """What discovery changes: the router's worker set (``router.runtime.Runtime``)."""
 
     def add_worker(self, cfg: WorkerConfig, *, dynamic: bool = ...) -> Awaitable[Any]: ...
 

@@ -1,86 +1,28 @@
-"""The worker registry: which workers exist (static config + ``POST /workers``), whether each is
-healthy, which models it serves, its scraped load, and the derived views the router needs per
-request (candidate ranks per model, EXTERNAL pool groups). Event-loop-only.
+"""The worker table: which workers exist (static config, ``POST /workers``, discovery), whether
+each is healthy, which models it serves, its scraped load, and the views placement reads per
+request (candidate workers per model, EXTERNAL pool groups). Pure state, event-loop-only: it does
+no I/O — :mod:`router.fleet.health` checks the workers and writes their health here, and the
+placement core reads it through :class:`router.placement.ports.FleetView`.
 
-Health is active (``GET {url}{health.path}`` every ``health.interval_s``; ``unhealthy_after``
-consecutive failures mark a worker down, one success brings it back) and passive (the proxy
-reports a connection failure, which marks the worker down at once). Checks go through the
-proxy's lean HTTP client, one worker at a time spread over the interval: a burst of them on the
-event loop would stall the placements waiting behind it (measured: p99 of ``/route`` doubled). A new worker starts healthy
-so it can take traffic before the first check. The router only ever calls these registered URLs.
+A new worker starts healthy so it can take traffic before the first check. Health is active (the
+checker: ``unhealthy_after`` consecutive failures mark a worker down, one success brings it back)
+and passive (the proxy reports a connection failure, which marks the worker down at once).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
 from collections.abc import Callable, Iterable
 
-import msgspec
-
-from indexer.index import WorkerKey
 from router.errors import NotFound
-from router.scoring import ScrapedLoad, worker_hash
 from router.settings import HealthSettings, WorkerConfig
-from router.upstream import UpstreamError, UpstreamPool
+from router.types import ScrapedLoad, WorkerKey, worker_hash
 
-__all__ = ["Registry", "WorkerState", "parse_load_metrics"]
+__all__ = ["Registry", "WorkerState"]
 
 log = logging.getLogger("kvrouter.registry")
-_REDISCOVER_S = 30.0
-
-# name -> field of ScrapedLoad; values of one name are summed over label sets
-_LOAD_METRICS = {
-    "vllm:num_requests_running": "running",
-    "vllm:num_requests_waiting": "waiting",
-    "vllm:kv_cache_usage_perc": "kv_usage",
-    "vllm:gpu_cache_usage_perc": "kv_usage",
-    "sglang:num_running_reqs": "running",
-    "sglang:num_queue_reqs": "waiting",
-    "sglang:token_usage": "kv_usage",
-}
-
-
-def parse_load_metrics(text: str) -> ScrapedLoad | None:
-    """vLLM / SGLang load gauges from Prometheus text; ``None`` if none is present."""
-    found: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        brace = line.find("{")
-        space = line.find(" ")
-        end = brace if 0 <= brace < space or (brace >= 0 and space < 0) else space
-        if end <= 0:
-            continue
-        field = _LOAD_METRICS.get(line[:end])
-        if field is None:
-            continue
-        value_part = line[line.rfind("}") + 1 :] if brace >= 0 else line[end:]
-        try:
-            value = float(value_part.split()[0])
-        except (IndexError, ValueError):
-            continue
-        if math.isfinite(value):
-            found[field] = found.get(field, 0.0) + value
-    if not found:
-        return None
-    return ScrapedLoad(
-        running=found.get("running", 0.0),
-        waiting=found.get("waiting", 0.0),
-        kv_usage=min(1.0, found.get("kv_usage", 0.0)),
-    )
-
-
-class _ModelList(msgspec.Struct):
-    class _Model(msgspec.Struct):
-        id: str
-
-    data: list[_Model]
-
-
-_decode_models = msgspec.json.Decoder(_ModelList).decode
 
 
 class WorkerState:
@@ -196,77 +138,6 @@ class Registry:
         st.failures = 0
         st.healthy = True
         st.last_error = None
-
-    async def check(self, http: UpstreamPool, st: WorkerState) -> None:
-        timeout = self.health.timeout_s
-        try:
-            status, _ = await http.get(st.url, self.health.path, timeout)
-            ok = status < 300
-            err = f"health check answered {status}"
-        except UpstreamError as e:
-            ok, err = False, f"health check failed: {e!r}"
-        st.last_check = time.time()
-        if self.workers.get(st.id) is not st:
-            return  # removed while we were waiting
-        if not ok:
-            self.mark_failure(st.id, err)
-            return
-        self.mark_success(st.id)
-        if not st.config.model and not st.discovered_models:
-            now = self.clock()
-            if now - st.discovery_at >= _REDISCOVER_S:  # a worker without /v1/models: not
-                st.discovery_at = now  # asked again every round
-                await self._discover_models(http, st)
-        if self.scrape_metrics:
-            try:
-                status, body = await http.get(st.url, "/metrics", timeout)
-                if status == 200:
-                    st.scraped = parse_load_metrics(body.decode("utf-8", "replace"))
-            except UpstreamError as e:
-                log.debug("scraping %s/metrics failed: %r", st.url, e)
-
-    async def _discover_models(self, http: UpstreamPool, st: WorkerState) -> None:
-        try:
-            status, body = await http.get(st.url, "/v1/models", self.health.timeout_s)
-            if status == 200:
-                st.discovered_models = frozenset(m.id for m in _decode_models(body).data)
-        except (UpstreamError, msgspec.DecodeError, msgspec.ValidationError) as e:
-            log.debug("model discovery on %s failed: %r", st.url, e)
-
-    async def check_all(self, http: UpstreamPool) -> None:
-        states = list(self.workers.values())
-        for st in states:
-            st.discovery_at = -math.inf  # asked for: look again now
-        if states:
-            await asyncio.gather(*(self.check(http, st) for st in states))
-
-    async def run(self, http: UpstreamPool) -> None:
-        """The health-check loop; cancelled by the app's lifespan. Each worker is checked once
-        per interval, the checks spread evenly over it (each in its own task, so a worker that
-        times out delays no other)."""
-        running: set[asyncio.Task[None]] = set()
-        try:
-            while True:
-                states = list(self.workers.values())
-                if not states:
-                    await asyncio.sleep(self.health.interval_s)
-                    continue
-                gap = self.health.interval_s / len(states)
-                for st in states:
-                    if self.workers.get(st.id) is st:
-                        task = asyncio.ensure_future(self._check_logged(http, st))
-                        running.add(task)
-                        task.add_done_callback(running.discard)
-                    await asyncio.sleep(gap)
-        finally:
-            for task in running:
-                task.cancel()
-
-    async def _check_logged(self, http: UpstreamPool, st: WorkerState) -> None:
-        try:
-            await self.check(http, st)
-        except Exception:  # a bug here must not end health checking for good
-            log.exception("health check of %s failed", st.id)
 
     def events_stale(self, st: WorkerState, since_last_event: float | None) -> bool:
         """Took traffic lately but published no event for ``stale_events_s``: its index view

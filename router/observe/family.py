@@ -1,7 +1,7 @@
 """The router's own light metric families: a counter, gauge or histogram with label names and
 one series per label values, updated on the event loop without a lock (a histogram observation
 is a ``bisect`` and two adds) and exposed through ``prometheus_client``'s collector interface, so
-the exposition is the standard one. Used by :mod:`router.metrics`."""
+the exposition is the standard one. Used by :mod:`router.observe.metrics`."""
 
 from __future__ import annotations
 

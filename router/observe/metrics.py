@@ -25,7 +25,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from indexer.index.native import BACKENDS as NATIVE_BACKENDS
-from router.metric_family import Family as _Family
+from router.observe.family import Family as _Family
 
 __all__ = [
     "RouterMetrics",
@@ -252,7 +252,7 @@ class RouterMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.proxied = _Family(
+        self.proxied_requests = _Family(
             "counter",
             "kvrouter_proxied_requests",
             "proxied OpenAI requests by worker, endpoint and status",
@@ -367,7 +367,34 @@ class RouterMetrics:
                 for key in [k for k in family._series if k[at] == worker]:
                     family.remove(*key)
 
-    def observe_cached(self, worker: str, predicted: int, actual: int) -> None:
+    # ------------------------------------------- router.placement.ports.PlacementMetrics
+
+    def decided(self, seconds: float) -> None:
+        self.decision_latency.observe(seconds)
+
+    def routed(self, worker: str, kind: str, matched_ratio: float | None) -> None:
+        self.child(self.route_decisions, worker, kind).inc()
+        if matched_ratio is not None:
+            self.matched_ratio.observe(matched_ratio)
+
+    def flight_started(self, worker: str) -> None:
+        self.child(self.inflight, worker).inc()
+
+    def first_byte(self, worker: str, seconds: float) -> None:
+        self.child(self.ttfb, worker).observe(seconds)
+
+    def proxied(self, worker: str, endpoint: str, status: str) -> None:
+        self.child(self.inflight, worker).dec()
+        self.child(self.proxied_requests, worker, endpoint, status).inc()
+
+    def account_ended(self, reason: str) -> None:
+        self.child(self.route_accounts_ended, reason).inc()
+
+    def cached_tokens(self, worker: str, predicted: int, actual: int) -> None:
         self.child(self.predicted_tokens, worker).inc(predicted)
         self.child(self.actual_tokens, worker).inc(actual)
         self.child(self.cached_error, worker).observe(abs(predicted - actual))
+
+    def placement_state(self, predicted_blocks: int, accounted_routes: int) -> None:
+        self.predicted_blocks.set(predicted_blocks)
+        self.accounted_routes.set(accounted_routes)

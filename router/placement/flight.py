@@ -1,7 +1,7 @@
-"""One placed request's life on the router: :class:`Flight` owns place → commit → first byte →
-finish for every request the router accounts — the load ticket and predicted blocks (through
-``RouterState.commit``), the in-flight / TTFB / proxied metrics, and the predicted-vs-actual
-cached tokens. Its users:
+"""One placed request's life on the router: :class:`Flight` owns commit → first byte → finish
+for every request the router accounts — the load ticket, the in-flight / TTFB / proxied metrics,
+and the predicted-vs-actual cached tokens. :meth:`router.placement.placer.Placer.fly` commits a
+placement and hands back its flight. Its users:
 
 - the OpenAI proxy (``kind="proxy"``): one flight per attempt on a worker; ``first_byte`` at the
   first upstream body byte, ``done(status)`` when the answer ends, fails or the client leaves;
@@ -20,12 +20,11 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-if TYPE_CHECKING:
-    from router.service import Decision, RouterState
+from router.placement.load import LoadLedger, Ticket, TicketState
+from router.placement.ports import PlacementMetrics
 
 __all__ = ["Flight", "RouteAccounts", "cached_tokens_of"]
 
@@ -56,57 +55,57 @@ def cached_tokens_of(payload: bytes) -> int | None:
 
 
 class Flight:
-    """One request committed to one worker rank, from commit to ``done``."""
+    """One request committed to one worker rank, from commit to ``done``. Made by
+    :meth:`router.placement.placer.Placer.fly`; ``t0`` and ``timer`` time the first byte."""
 
     __slots__ = (
         "cached",
-        "cand",
         "endpoint",
-        "inflight",
         "kind",
+        "ledger",
+        "matched_blocks",
+        "metrics",
         "predicted_tokens",
-        "state",
         "t0",
         "ticket",
+        "timer",
         "usage_tail",
         "worker",
     )
 
     def __init__(
         self,
-        state: RouterState,
-        d: Decision,
-        i: int,
+        ledger: LoadLedger,
+        metrics: PlacementMetrics,
+        ticket: Ticket,
         kind: str,
         *,
+        matched_blocks: int,
+        predicted_tokens: int,
         endpoint: str = "",
-        t0: float | None = None,
+        t0: float,
+        timer: Callable[[], float] = time.perf_counter,
     ) -> None:
-        self.state = state
-        self.cand = d.candidates[i]
-        self.worker = self.cand.key[0]
+        self.ledger = ledger
+        self.metrics = metrics
+        self.ticket = ticket
+        self.worker = ticket.key[0]
         self.kind = kind
         self.endpoint = endpoint
-        self.t0 = time.perf_counter() if t0 is None else t0
-        self.ticket = state.commit(d, i, kind=kind)
-        # engines (vLLM, the bundled one) always compute at least the last prompt token, so a
-        # prompt of exactly k blocks reuses at most k - 1 of them
-        bs = d.block_size
-        self.predicted_tokens = min(self.cand.matched_blocks, max(0, d.tokens - 1) // bs) * bs
+        self.matched_blocks = matched_blocks
+        self.predicted_tokens = predicted_tokens
+        self.t0 = t0
+        self.timer = timer
         self.usage_tail = b""
         self.cached: int | None = None
-        self.inflight: Any = None
         if kind == "proxy":
-            m = state.metrics
-            self.inflight = m.child(m.inflight, self.worker)
-            self.inflight.inc()
+            metrics.flight_started(self.worker)
 
     def first_byte(self) -> None:
         """The worker's first answer byte: the request's prefill is over (idempotent)."""
-        if self.ticket.state == 0:
-            self.state.load.first_token(self.ticket)
-            m = self.state.metrics
-            m.child(m.ttfb, self.worker).observe(time.perf_counter() - self.t0)
+        if self.ticket.state is TicketState.PREFILL:
+            self.ledger.first_token(self.ticket)
+            self.metrics.first_byte(self.worker, self.timer() - self.t0)
 
     def scan(self, chunk: bytes) -> None:
         """Find the usage chunk of an SSE stream (lines may straddle network chunks)."""
@@ -126,18 +125,16 @@ class Flight:
     def done(self, status: str) -> None:
         """The end: an HTTP status or ``client_disconnect`` / ``upstream_error`` for the proxy,
         ``released`` / ``expired`` / ``evicted`` / ``worker_removed`` for an accounted route."""
-        st = self.state
-        if self.ticket.state == 2:
+        if self.ticket.state is TicketState.DONE:
             return
-        st.load.finish(self.ticket)
-        m = st.metrics
+        self.ledger.finish(self.ticket)
+        m = self.metrics
         if self.kind == "proxy":
-            self.inflight.dec()
-            m.child(m.proxied, self.worker, self.endpoint, status).inc()
+            m.proxied(self.worker, self.endpoint, status)
         else:
-            m.child(m.route_accounts_ended, status).inc()
+            m.account_ended(status)
         if self.cached is not None:
-            m.observe_cached(self.worker, self.predicted_tokens, self.cached)
+            m.cached_tokens(self.worker, self.predicted_tokens, self.cached)
 
 
 class RouteAccounts:

@@ -1,4 +1,4 @@
-"""The router's own load accounting per worker rank: event-loop-only, no I/O.
+"""The load ledger: the router's own accounting of load per worker rank, event-loop-only, no I/O.
 
 A routed request counts on its worker from the moment it is placed:
 
@@ -10,17 +10,27 @@ A routed request counts on its worker from the moment it is placed:
 
 ``shared(key, hashes)`` tells how many leading blocks of a new request are already active (and
 being prefilled) on a worker: the scorer takes those off the load the request competes with.
-Tickets are taken and closed by one owner, :class:`router.flight.Flight`.
+Tickets are taken and closed by one owner, :class:`router.placement.flight.Flight`.
 """
 
 from __future__ import annotations
 
+import enum
 import itertools
 from collections.abc import Sequence
 
-__all__ = ["LoadTracker", "Ticket", "WorkerLoad"]
+from router.types import WorkerKey
 
-WorkerKey = tuple[str, int]
+__all__ = ["LoadLedger", "Ticket", "TicketState", "WorkerLoad"]
+
+
+class TicketState(enum.IntEnum):
+    """Where a ticket's request is: prefilling (counts as in-flight prefill and active), decoding
+    (active only: its first token came back), or done (counts nowhere)."""
+
+    PREFILL = 0
+    DECODE = 1
+    DONE = 2
 
 
 class WorkerLoad:
@@ -55,7 +65,7 @@ class Ticket:
         self.hashes = hashes
         self.prefill = prefill
         self.prefill_hashes = prefill_hashes
-        self.state = 0  # 0 prefill, 1 decode, 2 done
+        self.state = TicketState.PREFILL
 
 
 def _py_counts_add(d: dict[int, int], hashes: Sequence[int], delta: int) -> None:
@@ -82,7 +92,10 @@ def _dec(d: dict[int, int], hashes: Sequence[int]) -> None:
     _counts_add(d, hashes, -1)
 
 
-class LoadTracker:
+class LoadLedger:
+    """Every worker rank's load from the requests the router placed there (see the module
+    docstring)."""
+
     def __init__(self) -> None:
         self._loads: dict[WorkerKey, WorkerLoad] = {}
         self._ids = itertools.count(1)
@@ -113,14 +126,14 @@ class LoadTracker:
         return a, p
 
     def start(
-        self, key: WorkerKey, hashes: Sequence[int], prefill: float, cached_blocks: int
+        self, key: WorkerKey, hashes: Sequence[int], prefill: float, matched_blocks: int
     ) -> Ticket:
         """Count a request placed on ``key``: ``prefill`` blocks to build, of which the blocks
-        from ``cached_blocks`` on are not cached anywhere on the worker yet."""
+        from ``matched_blocks`` on are not held anywhere on the worker yet."""
         ld = self._loads.get(key)
         if ld is None:
             ld = self._loads[key] = WorkerLoad()
-        t = Ticket(next(self._ids), key, hashes, max(0.0, prefill), hashes[cached_blocks:])
+        t = Ticket(next(self._ids), key, hashes, max(0.0, prefill), hashes[matched_blocks:])
         ld.requests += 1
         ld.inflight_prefill += t.prefill
         _inc(ld.active, hashes)
@@ -128,9 +141,9 @@ class LoadTracker:
         return t
 
     def first_token(self, t: Ticket) -> None:
-        if t.state != 0:
+        if t.state is not TicketState.PREFILL:
             return
-        t.state = 1
+        t.state = TicketState.DECODE
         ld = self._loads.get(t.key)
         if ld is None:
             return
@@ -140,10 +153,10 @@ class LoadTracker:
         _dec(ld.prefilling, t.prefill_hashes)
 
     def finish(self, t: Ticket) -> None:
-        if t.state == 2:
+        if t.state is TicketState.DONE:
             return
         self.first_token(t)
-        t.state = 2
+        t.state = TicketState.DONE
         ld = self._loads.get(t.key)
         if ld is None:
             return

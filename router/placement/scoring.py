@@ -34,52 +34,25 @@ from __future__ import annotations
 
 import math
 import random
-import zlib
 from collections.abc import Mapping, Sequence
 
 import msgspec
 
-from indexer.events import DEFAULT_TIER_WEIGHTS
-from indexer.index import WorkerKey
+from indexer.events import CANONICAL_TIERS, DEFAULT_TIER_WEIGHTS
+from router.settings.scoring import DEFAULT_CACHE_CREDIT, DEFAULT_OVERLAP_WEIGHT
+from router.types import ScrapedLoad, WorkerKey, worker_hash
 
 __all__ = [
-    "DEFAULT_CACHE_CREDIT",
-    "DEFAULT_OVERLAP_WEIGHT",
     "Candidate",
     "ScoreWeights",
-    "ScrapedLoad",
     "credited_blocks",
     "rank",
     "score",
     "tie_hash",
     "tier_breakdown",
-    "worker_hash",
 ]
 
 _M64 = (1 << 64) - 1
-
-#: A block of prefill work (queued or the request's own) costs this many blocks held by running
-#: requests. Prefill is what a new request waits for; held blocks cost it only a per-step decode
-#: share. At 1.0 the router gave up 4-5k cached tokens to avoid a worker decoding 30k more; in
-#: ``kvrouter replay`` (virtual time, 8 × 1M-token workers) hit rate and TTFT mean improve up to
-#: 16 and flatten past it on conversation and synthetic traces, held-out slices included
-#: (docs/replay.md).
-DEFAULT_OVERLAP_WEIGHT = 16.0
-
-#: A block of the request that another worker holds and this one lacks costs this many blocks of
-#: prefill (see the module docstring). ``kvrouter replay``, virtual time, 8 × 1M-token workers, hit rate at 1 / 3 / 8 / 12:
-#: conversation [0,2000) 23.2 / 24.9 / 25.2 / 25.4 %, synthetic [0,3000) 36.0 / 37.7 / 37.7 / 37.7 %
-#: with TTFT p99 rising past 8 (2,041 / 2,065 / 2,140 / 2,170 ms). Held out at 8: conversation
-#: [4000,6000) 21.0 -> 23.7 %, synthetic [3000,3993) 66.9 -> 68.8 %, TTFT mean within 1 %.
-DEFAULT_CACHE_CREDIT = 8.0
-
-
-class ScrapedLoad(msgspec.Struct, frozen=True):
-    """Load a worker reports on its own ``/metrics`` (vLLM / SGLang names)."""
-
-    running: float = 0.0
-    waiting: float = 0.0
-    kv_usage: float = 0.0  # fraction in [0, 1]
 
 
 class ScoreWeights(msgspec.Struct, frozen=True):
@@ -161,11 +134,6 @@ def _cost(c: Candidate, n: int, weights: ScoreWeights, credit: float, best: floa
     c.credited = credit
     c.cost = cost
     return cost
-
-
-def worker_hash(key: WorkerKey) -> int:
-    """Stable across processes (``hash(str)`` is salted per process, crc32 is not)."""
-    return zlib.crc32(f"{key[0]}\x00{key[1]}".encode())
 
 
 def tie_hash(request_key: int, whash: int) -> int:
@@ -256,12 +224,7 @@ def _sample(costs: Sequence[float], temperature: float, rng: random.Random) -> i
 def tier_breakdown(by_tier: Mapping[str, int]) -> dict[str, int]:
     """The four canonical tiers always present (0 when absent), then any unknown tier names."""
     get = by_tier.get
-    out = {
-        "GPU": get("GPU", 0),
-        "CPU_PINNED": get("CPU_PINNED", 0),
-        "DISK": get("DISK", 0),
-        "EXTERNAL": get("EXTERNAL", 0),
-    }
+    out = {t: get(t, 0) for t in CANONICAL_TIERS}
     for t, m in by_tier.items():
         if t not in out:
             out[t] = m

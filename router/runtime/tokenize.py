@@ -25,7 +25,7 @@ import msgspec
 
 from indexer import byte_tokens
 from router.errors import ConfigError, NoHealthyWorker, TokenizeError
-from router.upstream import UpstreamError, UpstreamPool
+from router.fleet.upstream import UpstreamError, UpstreamPool
 
 __all__ = [
     "ByteTokenizer",

@@ -20,8 +20,8 @@ import yaml
 from indexer.events import DEFAULT_TIER_WEIGHTS
 from router.errors import ConfigError
 from router.errors import config_check as _check
-from router.scoring import DEFAULT_CACHE_CREDIT, DEFAULT_OVERLAP_WEIGHT
-from router.settings_k8s import DiscoverySettings, KubernetesSettings
+from router.settings.k8s import DiscoverySettings, KubernetesSettings
+from router.settings.scoring import ScoringSettings
 
 __all__ = [
     "DEFAULT_TIER_WEIGHTS",
@@ -133,51 +133,6 @@ class HealthSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         _check(self.unhealthy_after >= 1, "unhealthy_after", "must be >= 1")
         _check(self.path.startswith("/"), "path", "must start with '/'")
         _check(self.stale_events_s > 0, "stale_events_s", "must be > 0")
-
-
-class ScoringSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    overlap_weight: float = DEFAULT_OVERLAP_WEIGHT
-    cache_credit: float = DEFAULT_CACHE_CREDIT
-    tier_weights: dict[str, float] = msgspec.field(
-        default_factory=lambda: dict(DEFAULT_TIER_WEIGHTS)
-    )
-    recompute_s_per_block: float | None = None
-    tier_load_s_per_block: dict[str, float] = msgspec.field(default_factory=dict)
-    temperature: float = 0.0
-    seed: int | None = None
-    predicted_ttl_s: float = 2.0
-    predicted_max_blocks: int = 1_000_000
-    running_weight: float = 0.0
-    waiting_weight: float = 0.0
-    kv_usage_weight: float = 0.0
-
-    def __post_init__(self) -> None:
-        _check(self.overlap_weight >= 0, "overlap_weight", "must be >= 0")
-        _check(self.cache_credit >= 0, "cache_credit", "must be >= 0")
-        for tier, w in self.tier_weights.items():
-            _check(0 <= w <= 1, f"tier_weights.{tier}", "must be between 0 and 1")
-        if self.recompute_s_per_block is not None:
-            _check(self.recompute_s_per_block > 0, "recompute_s_per_block", "must be > 0")
-        for tier, s in self.tier_load_s_per_block.items():
-            _check(s >= 0, f"tier_load_s_per_block.{tier}", "must be >= 0")
-        _check(self.temperature >= 0, "temperature", "must be >= 0")
-        _check(self.predicted_ttl_s >= 0, "predicted_ttl_s", "must be >= 0")
-        _check(self.predicted_max_blocks >= 0, "predicted_max_blocks", "must be >= 0")
-        for k in ("running_weight", "waiting_weight", "kv_usage_weight"):
-            _check(getattr(self, k) >= 0, k, "must be >= 0")
-
-    def effective_tier_weights(self) -> dict[str, float]:
-        """Configured weights, upper-cased; with ``recompute_s_per_block`` set, a tier listed in
-        ``tier_load_s_per_block`` gets ``1 - load/recompute`` (clamped to [0, 1]) instead."""
-        weights = {k.upper(): v for k, v in self.tier_weights.items()}
-        if self.recompute_s_per_block is not None:
-            for tier, load in self.tier_load_s_per_block.items():
-                weights[tier.upper()] = min(1.0, max(0.0, 1.0 - load / self.recompute_s_per_block))
-        return weights
-
-    @property
-    def scrapes_metrics(self) -> bool:
-        return self.running_weight > 0 or self.waiting_weight > 0 or self.kv_usage_weight > 0
 
 
 class RouteSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

@@ -1,4 +1,4 @@
-"""Settings of Kubernetes worker discovery (``kubernetes.discovery``, :mod:`router.discovery`);
+"""Settings of Kubernetes worker discovery (``kubernetes.discovery``, :mod:`router.fleet.discovery`);
 part of :class:`router.settings.Settings`, kept here so each module stays small."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ _LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
 
 
 class DiscoverySettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """Workers found by watching pods (:mod:`router.discovery`)."""
+    """Workers found by watching pods (:mod:`router.fleet.discovery`)."""
 
     enabled: bool = False
     namespace: str | None = None

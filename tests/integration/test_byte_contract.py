@@ -12,7 +12,7 @@ import pytest
 
 from engine.tokenizer import ByteTokenizer as EngineBytes
 from engine.tokenizer import ChatTemplateError
-from router.tokenize import ByteTokenizer as RouterBytes
+from router.runtime.tokenize import ByteTokenizer as RouterBytes
 
 CHATS = [
     [{"role": "user", "content": "Hi"}],

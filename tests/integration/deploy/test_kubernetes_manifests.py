@@ -3,7 +3,7 @@
 composes it (resources, directories, namespace, patches by kind and name, images; the CI stage
 compares this with kustomize's own render, object for object) and checked against the
 code it configures: the router's ConfigMap loads with ``router.settings``, the worker pods carry
-the discovery labels and annotations that ``router.discovery`` turns into workers, and the KV event
+the discovery labels and annotations that ``router.fleet.discovery`` turns into workers, and the KV event
 flags of vLLM and SGLang publish on the annotated ports. The real kustomize render of the same
 overlays runs in the CI stage ``tests/stages/kubernetes`` (it needs a ``kubectl``)."""
 
@@ -19,7 +19,7 @@ import msgspec
 import pytest
 import yaml
 
-from router.pods import pod_ready, worker_for_pod
+from router.fleet.pods import pod_ready, worker_for_pod
 from router.settings import load_settings
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -11,8 +11,8 @@ import pytest
 import zmq.asyncio
 from router_fakeworker import FakeWorker, ServerHandle, wait_for
 
-from router.app import create_app
-from router.service import RouterState
+from router.edge.app import create_app
+from router.runtime import Runtime
 from router.settings import load_settings
 
 
@@ -26,7 +26,7 @@ class RouterHandle:
         return self.server.url
 
     @property
-    def state(self) -> RouterState:
+    def state(self) -> Runtime:
         return self.app.state.kv  # type: ignore[no-any-return]
 
     def matched(self, tokens: list[int], worker: str, rank: int = 0) -> int:
@@ -71,7 +71,7 @@ async def router() -> AsyncIterator[Callable[..., Awaitable[RouterHandle]]]:
         **overrides: Any,
     ) -> RouterHandle:
         """``plain_asgi``: serve the app with uvicorn's defaults (httptools) instead of
-        ``router.http``'s config (h11 and the router's limits): both must answer alike."""
+        ``router.edge.server``'s config (h11 and the router's limits): both must answer alike."""
         overrides.setdefault("health", {"interval_s": 0.2, "timeout_s": 2.0})
         if "admin_key" not in overrides:  # tests that read /workers; auth has its own tests
             overrides.setdefault("admin_open", True)

@@ -6,7 +6,7 @@ are ``router_servers``'s).
 from its own prefix cache), ``/v1/models``, ``/tokenize``, ``/metrics`` and ``/health``, and
 publishes its KV events over a real ZMQ PUB socket (vLLM >= 0.24 wire format, through
 ``indexer.wire``'s encoder) with a ROUTER replay socket. Tokens are UTF-8 bytes, chat is rendered
-like the bundled engine's default (``router.tokenize.render_byte_chat``).
+like the bundled engine's default (``router.runtime.tokenize.render_byte_chat``).
 
 It records what it saw: requests, the ones cancelled by a disconnect, the ones completed.
 """
@@ -37,7 +37,7 @@ from indexer.wire import (
     encode_replay_end,
     encode_replay_reply,
 )
-from router.tokenize import render_byte_chat
+from router.runtime.tokenize import render_byte_chat
 
 __all__ = ["LOCAL", "FakeWorker", "ServerHandle", "engine_hash", "wait_for"]
 

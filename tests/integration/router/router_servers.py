@@ -1,5 +1,5 @@
 """Running servers in a test's event loop: :class:`ServerHandle` (uvicorn on 127.0.0.1, port 0;
-a router app with ``router.http``'s config and server class), and :func:`wait_for`, the one way
+a router app with ``router.edge.server``'s config and server class), and :func:`wait_for`, the one way
 the router's tests wait for state (a condition with a timeout, never a sleep)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 
 import uvicorn
 
-from router.http import RouterServer, server_config
+from router.edge.server import RouterServer, server_config
 from tests.waiting import wait_for
 
 __all__ = ["ServerHandle", "wait_for"]
@@ -18,7 +18,7 @@ __all__ = ["ServerHandle", "wait_for"]
 
 class ServerHandle:
     """A uvicorn server on 127.0.0.1, port 0, in the running event loop. A router app
-    (``router=True``) is served with ``router.http``'s config, as ``kvrouter serve`` does."""
+    (``router=True``) is served with ``router.edge.server``'s config, as ``kvrouter serve`` does."""
 
     def __init__(self, app: Any, *, router: bool = False, **config: Any) -> None:
         kw: dict[str, Any] = dict(

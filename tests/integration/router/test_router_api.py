@@ -19,7 +19,9 @@ def err(resp: httpx.Response, status: int) -> str:
     return body["error"]["message"]
 
 
-@pytest.mark.parametrize("serve", ["direct", "asgi"])  # router.http's config / uvicorn defaults
+@pytest.mark.parametrize(
+    "serve", ["direct", "asgi"]
+)  # router.edge.server's config / uvicorn defaults
 async def test_malformed_bodies_get_documented_4xx(workers, router, http, serve):
     a = await workers("a")
     r = await router([a], proxy={"max_body_bytes": 4096}, plain_asgi=serve == "asgi")

@@ -19,8 +19,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from router.app import create_app
-from router.service import RouterState
+from router.edge.app import create_app
+from router.runtime import Runtime
 from router.settings import load_settings
 
 
@@ -51,11 +51,11 @@ async def api() -> AsyncIterator[Callable[..., Awaitable[FakeApiServer]]]:
 
 
 @pytest.fixture
-async def discovering() -> AsyncIterator[Callable[..., Awaitable[RouterState]]]:
+async def discovering() -> AsyncIterator[Callable[..., Awaitable[Runtime]]]:
     """A router whose only workers come from discovery against ``api``."""
     servers: list[ServerHandle] = []
 
-    async def make(api: FakeApiServer, **discovery: Any) -> RouterState:
+    async def make(api: FakeApiServer, **discovery: Any) -> Runtime:
         disc = {
             "enabled": True,
             "api_server": api.url,
@@ -77,7 +77,7 @@ async def discovering() -> AsyncIterator[Callable[..., Awaitable[RouterState]]]:
         await s.stop()
 
 
-def ids(state: RouterState) -> set[str]:
+def ids(state: Runtime) -> set[str]:
     return set(state.registry.workers)
 
 

@@ -1,4 +1,4 @@
-"""The router's listener (uvicorn with ``router.http``'s config), checked on a raw socket with a
+"""The router's listener (uvicorn with ``router.edge.server``'s config), checked on a raw socket with a
 real HTTP parser (h11) on the client side: ``/route`` answers equal the placement's, pipelined requests keep their
 order, ``Connection: close`` and HTTP/1.0 close, odd bodies get the documented 4xx."""
 
@@ -13,7 +13,7 @@ import h11
 import httpx
 from router_fakeworker import ServerHandle, wait_for
 
-from router.app import create_app
+from router.edge.app import create_app
 from router.settings import load_settings
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 8  # 360 bytes = 22 full blocks
@@ -224,7 +224,7 @@ async def test_the_hot_paths_and_the_app_answer_alike(workers, router, http, mon
     def broken(*args: Any, **kwargs: Any) -> Any:  # a bug no real peer can provoke: a seam
         raise RuntimeError("placement bug")
 
-    monkeypatch.setattr(r.state, "place", broken)
+    monkeypatch.setattr(r.state.placer, "place", broken)
     body = {"prompt": "hi", "max_tokens": 1}
     for path, payload in (("/route", {"token_ids": [1, 2, 3]}), ("/v1/completions", body)):
         resp = await http.post(r.url + path, json=payload)

@@ -27,7 +27,7 @@ def metric(text: str, name: str, **labels: str) -> float:
     return total
 
 
-# "direct": router.http's config (h11, limits); "asgi": the app under uvicorn's defaults
+# "direct": router.edge.server's config (h11, limits); "asgi": the app under uvicorn's defaults
 SERVES = pytest.mark.parametrize("serve", ["direct", "asgi"])
 
 
@@ -45,7 +45,7 @@ async def test_openai_client_completions_and_chat_streaming_and_not(workers, rou
         assert comp.choices[0].text == "tok tok tok tok"
         first = raw.headers["x-kvrouter-worker"]
         assert first in ("a", "b")
-        assert raw.headers["x-kvrouter-cached-blocks"] == "0"
+        assert raw.headers["x-kvrouter-matched-blocks"] == "0"
         assert comp.usage is not None and comp.usage.prompt_tokens == len(PREFIX) + 3
 
         # the worker announced the prompt's blocks: the next request with the same prefix follows
@@ -120,7 +120,7 @@ async def test_client_disconnect_mid_stream_cancels_upstream(workers, router, se
     await wait_for(lambda: a.cancelled == 1, 20, "upstream cancelled")
     assert a.completed == 0
     await wait_for(lambda: r.state.inflight == 0, 10, "router released the request")
-    assert r.state.load.get(("a", 0)) is None
+    assert r.state.placer.load.get(("a", 0)) is None
 
 
 @SERVES

@@ -37,7 +37,7 @@ def decision(body: dict) -> tuple:
         )
         for c in body["candidates"]
     )
-    return body["worker_id"], body["cached_blocks"], tuple(cands)
+    return body["worker_id"], body["matched_blocks"], tuple(cands)
 
 
 async def test_two_replicas_answer_the_same_route_for_the_same_events(workers, router, http):
@@ -113,7 +113,9 @@ async def test_load_placed_through_one_replica_steers_the_other(workers, router,
         assert answer["worker_id"] == "b", answer
         (cand_a,) = [c for c in answer["candidates"] if c["worker_id"] == "a"]
         assert cand_a["matched_blocks"] == len(tokens) // BS, "a still holds the prefix"
-        assert two.state.load.inflight("a") == 0, "two learned the load only from a's metrics"
+        assert two.state.placer.load.inflight("a") == 0, (
+            "two learned the load only from a's metrics"
+        )
         assert (await route(http, one, tokens))["worker_id"] == "b"
     finally:
         for t in held:

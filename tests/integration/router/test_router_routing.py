@@ -8,7 +8,7 @@ import random
 import pytest
 from router_fakeworker import wait_for
 
-from router.scoring import DEFAULT_CACHE_CREDIT, DEFAULT_OVERLAP_WEIGHT
+from router.settings import DEFAULT_CACHE_CREDIT, DEFAULT_OVERLAP_WEIGHT
 
 BS = 16
 
@@ -67,19 +67,23 @@ async def test_prefix_on_b_gpu_goes_to_b_and_proxy_follows(workers, router, http
     body = await until_matched(http, r, tokens, "b", "GPU", 22)
     assert body["worker_id"] == "b" and body["request_blocks"] == 22
     assert cand(body, "b")["cost"] == 0.0 and cand(body, "a")["cost"] == 22 * LACKED
-    assert body["cached_blocks"] == 22 and body["url"] == b.url
+    assert body["matched_blocks"] == 22 and body["url"] == b.url
+    assert body["cached_blocks"] == 22  # the deprecated name, still answered
     # /route is read-only: no load, no prediction was recorded
-    assert r.state.load.get(("b", 0)) is None and len(r.state.predicted) == 0
+    assert r.state.placer.load.get(("b", 0)) is None and len(r.state.placer.predicted) == 0
 
     resp = await http.post(
         r.url + "/v1/completions", json={"prompt": prompt + "!", "model": "fake-model"}
     )
     assert resp.status_code == 200
     assert resp.headers["x-kvrouter-worker"] == "b"
-    assert resp.headers["x-kvrouter-cached-blocks"] == "22"
+    assert resp.headers["x-kvrouter-matched-blocks"] == "22"
+    assert resp.headers["x-kvrouter-cached-blocks"] == "22"  # the deprecated name
     assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 22 * BS
     assert len(b.requests) == 1 and not a.requests
-    assert len(r.state.predicted) == 0  # b's events already announced every block: no prediction
+    assert (
+        len(r.state.placer.predicted) == 0
+    )  # b's events already announced every block: no prediction
 
 
 async def test_disk_on_a_and_gpu_on_b_goes_to_b(workers, router, http):
@@ -143,7 +147,7 @@ async def test_herding_concurrent_shared_prefix_lands_on_few_workers(workers, ro
             r.url + "/v1/completions", json={"prompt": shared + f"|{i:015d}", "max_tokens": 4}
         )
         assert resp.status_code == 200, resp.text
-        return resp.headers["x-kvrouter-worker"], int(resp.headers["x-kvrouter-cached-blocks"])
+        return resp.headers["x-kvrouter-worker"], int(resp.headers["x-kvrouter-matched-blocks"])
 
     results = await asyncio.gather(*(one(i) for i in range(32)))
     used = {w for w, _ in results}

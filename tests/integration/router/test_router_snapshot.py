@@ -21,7 +21,7 @@ async def test_restart_restores_the_index_and_replays_only_what_is_new(
     before = len(a.replay_requests)
     r2 = await router([a], ready=False, snapshot={"path": path, "interval_s": 3600})
     body = (await http.post(r2.url + "/route", json={"token_ids": tokens})).json()
-    assert body["cached_blocks"] == 4 and body["worker_id"] == "a"
+    assert body["matched_blocks"] == 4 and body["worker_id"] == "a"
     await wait_for(lambda: len(a.replay_requests) > before, 20, "replay request")
     # resumes from the snapshotted seq 0 itself: the same batch must come back first, or the
     # worker is a new process (issue 12)
@@ -34,4 +34,4 @@ async def test_unusable_snapshot_starts_empty(workers, router, http, tmp_path):
     a = await workers("a")
     r = await router([a], snapshot={"path": str(path)})
     body = (await http.post(r.url + "/route", json={"token_ids": list(range(64))})).json()
-    assert body["cached_blocks"] == 0
+    assert body["matched_blocks"] == 0

@@ -11,9 +11,9 @@ async def test_worker_tokenizer_routes_text_on_the_workers_token_ids(workers, ro
     body = {}
     for _ in range(2000):
         body = (await http.post(r.url + "/route", json={"prompt": text})).json()
-        if body["cached_blocks"] == 8:
+        if body["matched_blocks"] == 8:
             break
-    assert body["request_blocks"] == 8 and body["cached_blocks"] == 8
+    assert body["request_blocks"] == 8 and body["matched_blocks"] == 8
     chat = [{"role": "user", "content": text}]
     body = (
         await http.post(r.url + "/route", json={"messages": chat, "model": "fake-model"})

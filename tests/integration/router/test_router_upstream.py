@@ -1,4 +1,4 @@
-"""``router.upstream``: the proxy's HTTP/1.1 client against small real servers on 127.0.0.1 that
+"""``router.fleet.upstream``: the proxy's HTTP/1.1 client against small real servers on 127.0.0.1 that
 answer exactly the bytes each test needs (framings, stale keep-alive, silence, cuts)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from router.upstream import (
+from router.fleet.upstream import (
     BodyTooLarge,
     ConnectError,
     ReadError,

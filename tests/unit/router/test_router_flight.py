@@ -1,15 +1,16 @@
-"""``router.flight``: one owner for a placed request's ticket and metrics, on a real
-``RouterState`` (never started: no socket is opened) with a controlled clock."""
+"""``router.placement.flight``: one owner for a placed request's ticket and metrics, on a real
+:class:`Placer` over a real index and worker table, with the router's Prometheus metrics and a
+controlled clock — the placement core alone, as the replay builds it (no socket, no runtime)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import pytest
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 
-from router.flight import Flight, RouteAccounts, cached_tokens_of
-from router.service import RouterState
+from indexer.index import PrefixIndex
+from router.fleet.registry import Registry
+from router.observe.metrics import RouterMetrics
+from router.placement import Flight, Placer, RouteAccounts, cached_tokens_of
 from router.settings import WorkerConfig, load_settings
 
 
@@ -21,26 +22,38 @@ class Clock:
         return self.t
 
 
+class Placed:
+    def __init__(self) -> None:
+        settings = load_settings(environ={}, overrides={"workers": []})
+        self.clock = Clock()
+        self.prom = CollectorRegistry()
+        fleet = Registry(settings.health, clock=self.clock)
+        index = PrefixIndex(settings.block_size)
+        for wid in ("a", "b"):
+            cfg = WorkerConfig(
+                id=wid, url=f"http://{wid}.invalid", events_endpoint="tcp://127.0.0.1:9"
+            )
+            fleet.add(cfg)  # never dialled
+            index.add_worker(wid, 0, model="")
+        self.placer = Placer(
+            settings, index, fleet, metrics=RouterMetrics(self.prom), clock=self.clock
+        )
+        self.load = self.placer.load
+
+
 @pytest.fixture
-async def state() -> AsyncIterator[RouterState]:
-    st = RouterState(load_settings(environ={}, overrides={"workers": []}), clock=Clock())
-    for wid in ("a", "b"):
-        cfg = WorkerConfig(id=wid, url=f"http://{wid}.invalid", events_endpoint="tcp://127.0.0.1:9")
-        st.registry.add(cfg)  # never dialled
-        st.index.add_worker(wid, 0, model="")
-    yield st
-    await st.subscriber.aclose()  # never started: this only releases the ZMQ context
-    await st.upstream.aclose()
+def state() -> Placed:
+    return Placed()
 
 
-def metric(st: RouterState, text: str) -> bool:
+def metric(st: Placed, text: str) -> bool:
     return text in generate_latest(st.prom).decode()
 
 
-def flight(st: RouterState, kind: str, worker: str = "a") -> Flight:
-    d = st.place(list(range(64)))
+def flight(st: Placed, kind: str, worker: str = "a") -> Flight:
+    d = st.placer.place(list(range(64)))
     i = next(i for i, c in enumerate(d.candidates) if c.key[0] == worker)
-    return Flight(st, d, i, kind, endpoint="completions")
+    return st.placer.fly(d, i, kind, endpoint="completions")
 
 
 def test_a_proxy_flight_counts_once_whatever_ends_it(state) -> None:

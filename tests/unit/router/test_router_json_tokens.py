@@ -8,10 +8,10 @@ import random
 import msgspec
 import pytest
 
-import router.api as api
+import router.edge.bodies as api
 from indexer.hashing import namespace_seed
 from indexer.index import PrefixIndex
-from router.api import JsonTokens, RouteRequest, decode
+from router.edge.bodies import JsonTokens, RouteRequest, decode
 from router.errors import UnprocessableEntity
 
 

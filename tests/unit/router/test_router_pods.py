@@ -1,4 +1,4 @@
-"""``router.pods``: which pods are ready, and the worker a pod stands for
+"""``router.fleet.pods``: which pods are ready, and the worker a pod stands for
 (annotations, defaults, vLLM's ``/kv_event_sources`` answer), with every bad input refused by
 name."""
 
@@ -11,7 +11,7 @@ import msgspec
 import pytest
 from lightkube.resources.core_v1 import Pod
 
-from router.pods import EventSource, PodNotUsable, pod_ready, worker_for_pod
+from router.fleet.pods import EventSource, PodNotUsable, pod_ready, worker_for_pod
 from router.settings import DiscoverySettings
 
 S = DiscoverySettings(enabled=True)
@@ -137,7 +137,7 @@ def test_discovery_settings_are_checked_by_key() -> None:
 def test_no_kubernetes_api_access_fails_the_start_by_name(tmp_path, monkeypatch) -> None:
     """Discovery on, outside a pod, no kubeconfig: ``create_app`` refuses (``kvrouter serve``
     prints it and exits 2) rather than a router that silently never finds a worker."""
-    from router.app import create_app
+    from router.edge.app import create_app
     from router.errors import ConfigError
     from router.settings import load_settings
 

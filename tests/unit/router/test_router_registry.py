@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from router.errors import NotFound
-from router.registry import Registry, parse_load_metrics
+from router.fleet.health import parse_load_metrics
+from router.fleet.registry import Registry
 from router.settings import HealthSettings, WorkerConfig
 
 VLLM = """# HELP vllm:num_requests_running Number of requests in model execution batches.

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from router.scoring import (
+from router.placement.scoring import (
     Candidate,
     ScoreWeights,
     ScrapedLoad,

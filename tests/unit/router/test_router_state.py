@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from router.load import LoadTracker
-from router.predict import PredictedBlocks
+from router.placement.load import LoadLedger
+from router.placement.predict import PredictedBlocks
 
 
 class Clock:
@@ -45,10 +45,10 @@ def test_prediction_cap_and_slot_drop():
 
 
 def test_load_accounting_prefill_until_first_token_active_until_finish():
-    t = LoadTracker()
+    t = LoadLedger()
     key = ("a", 0)
-    x = t.start(key, [1, 2, 3, 4], prefill=3.0, cached_blocks=1)
-    y = t.start(key, [1, 2, 9], prefill=1.0, cached_blocks=2)
+    x = t.start(key, [1, 2, 3, 4], prefill=3.0, matched_blocks=1)
+    y = t.start(key, [1, 2, 9], prefill=1.0, matched_blocks=2)
     ld = t.get(key)
     assert ld is not None
     assert ld.inflight_prefill == 4.0
@@ -86,7 +86,7 @@ def test_counts_add_twins_agree():
     """The C refcount update the load accounting uses, against its Python twin."""
     import random
 
-    import router.load as load
+    import router.placement.load as load
 
     rng = random.Random(9)
     a: dict[int, int] = {}

@@ -9,7 +9,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from router.errors import ConfigError, TokenizeError
-from router.tokenize import ByteTokenizer, HFTokenizer, make_tokenizer, render_byte_chat
+from router.runtime.tokenize import ByteTokenizer, HFTokenizer, make_tokenizer, render_byte_chat
 
 
 async def test_byte_tokenizer_is_utf8_bytes():

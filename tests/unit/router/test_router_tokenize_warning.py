@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from router.tokenize import byte_tokenizer_warning
+from router.runtime.tokenize import byte_tokenizer_warning
 
 
 def models(owner: str) -> bytes:

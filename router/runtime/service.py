@@ -1,0 +1,215 @@
+"""The router's runtime: the placement core and the I/O around it, for one app.
+
+:class:`Runtime` is built by ``create_app``'s lifespan and owns the prefix index and its only
+writer (the ZMQ subscriber task), the HTTP pool to the workers, the worker table and its health
+checker, the Prometheus registry, the tokenizer, and the :class:`router.placement.Placer` that
+every front door calls. It adds and removes workers (the table, the subscriber, the placer's
+state, the metrics, together) and answers readiness. Everything runs on the event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from urllib.parse import urlsplit
+
+import msgspec
+from prometheus_client import CollectorRegistry
+
+from indexer.index import IndexError_, PrefixIndex
+from indexer.subscriber import Subscriber, WorkerEndpoint
+from router.errors import BadRequest, Conflict, NoHealthyWorker, NotFound
+from router.fleet.health import HealthChecker
+from router.fleet.pods import PodNotUsable, fetch_sources, sources_to_endpoints
+from router.fleet.registry import Registry, WorkerState
+from router.fleet.upstream import UpstreamError, UpstreamPool
+from router.observe.metrics import (
+    RouterMetrics,
+    StateCollector,
+    WorkerSample,
+    register_process_metrics,
+)
+from router.placement import Placer
+from router.runtime.tokenize import Tokenizer, byte_tokenizer_warning, make_tokenizer
+from router.settings import Settings, WorkerConfig
+from router.types import WorkerKey
+
+__all__ = ["Runtime", "load_index"]
+
+log = logging.getLogger("kvrouter.router")
+
+
+def load_index(settings: Settings) -> tuple[PrefixIndex, dict[WorkerKey, int]]:
+    """The snapshotted index when ``snapshot.path`` holds a usable one, else an empty index."""
+    path = settings.snapshot.path
+    if path and os.path.exists(path):
+        try:
+            index, seqs = PrefixIndex.restore(path)
+        except (IndexError_, OSError, ValueError) as e:
+            log.warning("index snapshot %s not loaded, starting empty: %s", path, e)
+        else:
+            if index.block_size == settings.block_size:
+                log.info("index restored from %s (%d blocks)", path, len(index))
+                return index, seqs
+            log.warning(
+                "index snapshot %s has block size %d, not %d: starting empty",
+                path,
+                index.block_size,
+                settings.block_size,
+            )
+    return PrefixIndex(settings.block_size), {}
+
+
+class Runtime:
+    def __init__(self, settings: Settings, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings = settings
+        self.clock = clock
+        p = settings.proxy
+        self.draining = False  # SIGTERM: /ready answers 503 while in-flight requests finish
+        #: the current span's trace headers for the worker, when tracing is on (router.edge.tracing)
+        self.trace_headers: Callable[[], list[tuple[str, str]]] | None = None
+        self.upstream = UpstreamPool(  # the proxy's hot path
+            connect_s=p.connect_timeout_s,
+            read_s=p.read_timeout_s,
+            write_s=p.write_timeout_s,
+            keepalive_s=p.keepalive_s,
+            max_per_worker=p.max_connections,
+            pool_wait_s=p.pool_timeout_s,
+            max_body_bytes=p.max_response_bytes,
+            ca_file=p.ca_file,
+        )
+        self.index, seqs = load_index(settings)
+        self.index.set_cap(settings.max_index_entries)
+        self.subscriber = Subscriber(
+            self.index,
+            replay_timeout=settings.subscriber.replay_timeout_s,
+            max_message_bytes=settings.subscriber.max_message_bytes,
+        )
+        if seqs:  # resume each worker rank after its snapshotted seq (replay closes the gap)
+            self.subscriber.restore_seqs(seqs)
+        sc = settings.scoring
+        self.registry = Registry(settings.health, scrape_metrics=sc.scrapes_metrics, clock=clock)
+        self.health = HealthChecker(self.registry, self.upstream)
+        self.prom = CollectorRegistry(auto_describe=True)
+        self.metrics = RouterMetrics(self.prom)
+        self.prom.register(StateCollector(self._samples))
+        register_process_metrics(self.prom)
+        self.placer = Placer(settings, self.index, self.registry, metrics=self.metrics, clock=clock)
+        self.tokenizer: Tokenizer = make_tokenizer(
+            settings.tokenizer, client=self.upstream, pick=self.pick_tokenize_worker
+        )
+        self.inflight = 0  # proxied requests in flight (proxy.max_inflight)
+        self.started_at = time.time()
+
+    # ------------------------------------------------------------------ workers
+
+    async def add_worker(self, cfg: WorkerConfig, *, dynamic: bool = False) -> WorkerState:
+        if cfg.id in self.registry:
+            raise Conflict(f"worker {cfg.id!r} is already registered")
+        if cfg.events_endpoint is None:
+            cfg = await self._with_event_sources(cfg)
+        # the index learns the worker from the subscriber task, its only writer
+        st = self.registry.add(cfg, dynamic=dynamic)
+        assert cfg.events_endpoint is not None  # (read from the worker above when not given)
+        ep = WorkerEndpoint(
+            worker_id=cfg.id,
+            events=cfg.events_endpoint,
+            replay=cfg.replay_endpoint,
+            dp_ranks=cfg.dp_ranks,
+            model=cfg.model,
+        )
+        try:
+            await self.subscriber.add_worker(ep)
+        except Exception as e:
+            self.registry.remove(cfg.id)
+            raise BadRequest(f"cannot subscribe to worker {cfg.id!r}: {e}") from e
+        return st
+
+    async def _with_event_sources(self, cfg: WorkerConfig) -> WorkerConfig:
+        """``cfg`` with the event endpoints the worker publishes on, from its
+        ``GET /kv_event_sources`` (vLLM): a configured URL is the only one called."""
+        host = urlsplit(cfg.url).hostname or ""
+        timeout = self.settings.health.timeout_s
+        try:
+            sources = await fetch_sources(self.upstream, cfg.base_url, timeout)
+            events, replay, dp_ranks = sources_to_endpoints(sources, host)
+        except PodNotUsable as e:
+            raise BadRequest(f"worker {cfg.id!r}: {e}; give events= for this worker") from e
+        log.info("worker %s publishes KV events on %s (replay %s)", cfg.id, events, replay)
+        return msgspec.structs.replace(
+            cfg, events_endpoint=events, replay_endpoint=replay, dp_ranks=dp_ranks
+        )
+
+    async def remove_worker(self, worker_id: str) -> None:
+        st = self.registry.workers.get(worker_id)
+        if st is None:
+            raise NotFound(f"worker {worker_id!r} is not registered")
+        self.placer.drop_worker(worker_id, st.keys)
+        self.registry.remove(worker_id)
+        await self.subscriber.remove_worker(worker_id)  # and, on its task, from the index
+        self.metrics.forget_worker(worker_id)
+
+    async def check_tokenizer(self) -> None:
+        """Warn once per worker whose engine has its own vocabulary while text is tokenized as
+        bytes (see ``router.runtime.tokenize.byte_tokenizer_warning``). Runs once, at start."""
+        if self.settings.tokenizer != "byte":
+            return
+        for st in list(self.registry.workers.values()):
+            try:
+                _, content = await self.upstream.get(
+                    st.url, "/v1/models", self.settings.health.timeout_s
+                )
+            except UpstreamError:
+                continue
+            msg = byte_tokenizer_warning("byte", st.id, content)
+            if msg is not None:
+                log.warning("%s", msg)
+
+    def ready(self) -> tuple[bool, list[str]]:
+        """Readiness: not draining, and at least one healthy worker whose event stream is live
+        (one stuck worker must not take every replica out of its Service); also the workers
+        still waiting for their stream, for the operator."""
+        waiting = [w for w in self.registry.workers if not self.subscriber.worker_ready(w)]
+        if self.draining:
+            return False, ["draining"]
+        live = any(st.healthy and st.id not in waiting for st in self.registry.workers.values())
+        return live, waiting
+
+    def all_ready(self) -> bool:
+        """Every configured worker's event stream is connected and replayed."""
+        return all(self.subscriber.worker_ready(w) for w in self.registry.workers)
+
+    def pick_tokenize_worker(self, model: str | None) -> tuple[str, str]:
+        for st in self.registry.candidates(model):
+            if st.healthy:
+                names = st.models()
+                return st.url, model or (min(names) if names else "")
+        raise NoHealthyWorker("no healthy worker to tokenize with")
+
+    def _samples(self) -> list[WorkerSample]:
+        stats = self.subscriber.stats()
+        out = []
+        for st in self.registry.workers.values():
+            since = self.subscriber.seconds_since_last_message(st.id)
+            stale = self.registry.events_stale(st, since)
+            for key in st.keys:
+                try:
+                    ix = self.index.worker_stats(key)
+                except KeyError:
+                    ix = None
+                out.append(WorkerSample(key[0], key[1], st.healthy, stats.get(key), ix))
+                out[-1].stale = stale
+        return out
+
+    def write_snapshot(self) -> None:
+        """Index + last applied seq per rank to ``snapshot.path`` (atomic), on the event loop
+        like every index read."""
+        path = self.settings.snapshot.path
+        if not path:
+            return
+        try:
+            self.index.snapshot(path, self.subscriber.resume_points())
+        except OSError as e:
+            log.warning("index snapshot to %s failed: %s", path, e)

@@ -1,0 +1,46 @@
+"""The router's settings (one YAML file, ``KVROUTER_*`` environment variables, flags): the
+``Settings`` tree in :mod:`router.settings.config`, its ``scoring:`` part (and the cost formula's
+defaults) in :mod:`router.settings.scoring`, Kubernetes discovery in :mod:`router.settings.k8s`.
+Every other router package reads its settings from here; this package imports only
+``router.errors`` and the indexer's tier vocabulary."""
+
+from router.settings.config import (
+    DEFAULT_TIER_WEIGHTS,
+    ENV_PREFIX,
+    HealthSettings,
+    ProxySettings,
+    RouteSettings,
+    ServerSettings,
+    Settings,
+    SnapshotSettings,
+    SubscriberSettings,
+    TracingSettings,
+    WorkerConfig,
+    describe_validation_error,
+    load_settings,
+    parse_worker_spec,
+)
+from router.settings.k8s import DiscoverySettings, KubernetesSettings
+from router.settings.scoring import DEFAULT_CACHE_CREDIT, DEFAULT_OVERLAP_WEIGHT, ScoringSettings
+
+__all__ = [
+    "DEFAULT_CACHE_CREDIT",
+    "DEFAULT_OVERLAP_WEIGHT",
+    "DEFAULT_TIER_WEIGHTS",
+    "ENV_PREFIX",
+    "DiscoverySettings",
+    "HealthSettings",
+    "KubernetesSettings",
+    "ProxySettings",
+    "RouteSettings",
+    "ScoringSettings",
+    "ServerSettings",
+    "Settings",
+    "SnapshotSettings",
+    "SubscriberSettings",
+    "TracingSettings",
+    "WorkerConfig",
+    "describe_validation_error",
+    "load_settings",
+    "parse_worker_spec",
+]

@@ -1,0 +1,72 @@
+"""Scoring settings (``scoring:``): the cost formula's weights and their defaults, with what
+``kvrouter replay`` measured for each. The formula itself is :mod:`router.placement.scoring`;
+this is the one home of its defaults, which the settings and the scorer both read."""
+
+from __future__ import annotations
+
+import msgspec
+
+from indexer.events import DEFAULT_TIER_WEIGHTS
+from router.errors import config_check as _check
+
+__all__ = ["DEFAULT_CACHE_CREDIT", "DEFAULT_OVERLAP_WEIGHT", "ScoringSettings"]
+
+#: A block of prefill work (queued or the request's own) costs this many blocks held by running
+#: requests. Prefill is what a new request waits for; held blocks cost it only a per-step decode
+#: share. At 1.0 the router gave up 4-5k cached tokens to avoid a worker decoding 30k more; in
+#: ``kvrouter replay`` (virtual time, 8 × 1M-token workers) hit rate and TTFT mean improve up to
+#: 16 and flatten past it on conversation and synthetic traces, held-out slices included
+#: (docs/replay.md).
+DEFAULT_OVERLAP_WEIGHT = 16.0
+
+#: A block of the request that another worker holds and this one lacks costs this many blocks of
+#: prefill (see the module docstring). ``kvrouter replay``, virtual time, 8 × 1M-token workers, hit rate at 1 / 3 / 8 / 12:
+#: conversation [0,2000) 23.2 / 24.9 / 25.2 / 25.4 %, synthetic [0,3000) 36.0 / 37.7 / 37.7 / 37.7 %
+#: with TTFT p99 rising past 8 (2,041 / 2,065 / 2,140 / 2,170 ms). Held out at 8: conversation
+#: [4000,6000) 21.0 -> 23.7 %, synthetic [3000,3993) 66.9 -> 68.8 %, TTFT mean within 1 %.
+DEFAULT_CACHE_CREDIT = 8.0
+
+
+class ScoringSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    overlap_weight: float = DEFAULT_OVERLAP_WEIGHT
+    cache_credit: float = DEFAULT_CACHE_CREDIT
+    tier_weights: dict[str, float] = msgspec.field(
+        default_factory=lambda: dict(DEFAULT_TIER_WEIGHTS)
+    )
+    recompute_s_per_block: float | None = None
+    tier_load_s_per_block: dict[str, float] = msgspec.field(default_factory=dict)
+    temperature: float = 0.0
+    seed: int | None = None
+    predicted_ttl_s: float = 2.0
+    predicted_max_blocks: int = 1_000_000
+    running_weight: float = 0.0
+    waiting_weight: float = 0.0
+    kv_usage_weight: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check(self.overlap_weight >= 0, "overlap_weight", "must be >= 0")
+        _check(self.cache_credit >= 0, "cache_credit", "must be >= 0")
+        for tier, w in self.tier_weights.items():
+            _check(0 <= w <= 1, f"tier_weights.{tier}", "must be between 0 and 1")
+        if self.recompute_s_per_block is not None:
+            _check(self.recompute_s_per_block > 0, "recompute_s_per_block", "must be > 0")
+        for tier, s in self.tier_load_s_per_block.items():
+            _check(s >= 0, f"tier_load_s_per_block.{tier}", "must be >= 0")
+        _check(self.temperature >= 0, "temperature", "must be >= 0")
+        _check(self.predicted_ttl_s >= 0, "predicted_ttl_s", "must be >= 0")
+        _check(self.predicted_max_blocks >= 0, "predicted_max_blocks", "must be >= 0")
+        for k in ("running_weight", "waiting_weight", "kv_usage_weight"):
+            _check(getattr(self, k) >= 0, k, "must be >= 0")
+
+    def effective_tier_weights(self) -> dict[str, float]:
+        """Configured weights, upper-cased; with ``recompute_s_per_block`` set, a tier listed in
+        ``tier_load_s_per_block`` gets ``1 - load/recompute`` (clamped to [0, 1]) instead."""
+        weights = {k.upper(): v for k, v in self.tier_weights.items()}
+        if self.recompute_s_per_block is not None:
+            for tier, load in self.tier_load_s_per_block.items():
+                weights[tier.upper()] = min(1.0, max(0.0, 1.0 - load / self.recompute_s_per_block))
+        return weights
+
+    @property
+    def scrapes_metrics(self) -> bool:
+        return self.running_weight > 0 or self.waiting_weight > 0 or self.kv_usage_weight > 0
