@@ -31,8 +31,8 @@ from indexer.index.types import (
     SGLANG_ROOT_PARENT,
     IndexError_,
     MatchResult,
+    RankRecord,
     SnapshotError,
-    Worker,
     WorkerIndexStats,
     WorkerKey,
     WorkerMatch,
@@ -132,11 +132,11 @@ class PrefixIndex:
     def slot(self, key: WorkerKey) -> int:
         return self._state.slot(key)
 
-    def worker(self, key: WorkerKey) -> Worker:
+    def worker(self, key: WorkerKey) -> RankRecord:
         """One worker rank's record (KeyError when unknown)."""
         return self._state.worker(key)
 
-    def items(self) -> list[tuple[WorkerKey, Worker]]:
+    def items(self) -> list[tuple[WorkerKey, RankRecord]]:
         return self._state.items()
 
     def worker_stats(self, key: WorkerKey) -> WorkerIndexStats:

@@ -36,7 +36,7 @@ from indexer.index.native import remove_gpu as _remove_gpu
 from indexer.index.native import store_gpu as _store_gpu
 from indexer.index.rechunk import RechunkTable
 from indexer.index.state import IndexState
-from indexer.index.types import SGLANG_ROOT_PARENT, PagedBlocks, Worker, WorkerKey
+from indexer.index.types import SGLANG_ROOT_PARENT, PagedBlocks, RankRecord, WorkerKey
 
 __all__ = ["Applier"]
 
@@ -110,7 +110,7 @@ class Applier:
             self._state.add_worker(*key)
         self._apply(self._workers[key], event)
 
-    def _apply(self, w: Worker, ev: Event) -> None:
+    def _apply(self, w: RankRecord, ev: Event) -> None:
         if type(ev) is BlockStored:
             if ev.kv_cache_spec_kind not in FULL_PREFIX_KINDS:
                 w.partial_groups.add(ev.group_idx)
@@ -135,7 +135,7 @@ class Applier:
             self._state.drop_entries(w)
             w.stats.cleared += 1
 
-    def _remove(self, w: Worker, hashes: list[EngineHash], t: int) -> None:
+    def _remove(self, w: RankRecord, hashes: list[EngineHash], t: int) -> None:
         i, n = 0, len(hashes)
         dups = w.dups
         while i < n:
@@ -164,7 +164,7 @@ class Applier:
                 w.stats.unknown_removals += 1
             i += 1
 
-    def _store(self, w: Worker, ev: BlockStored, start: int = 0) -> None:
+    def _store(self, w: RankRecord, ev: BlockStored, start: int = 0) -> None:
         """Apply a store from block ``start`` on (the ones before it were just stored by the
         caller's hot path)."""
         t = self._tier_id(ev.tier, w)
@@ -243,7 +243,7 @@ class Applier:
             w.tier_counts[t] += 1
             self._add_block(w, h, e, bit)
 
-    def _rechunk_table(self, w: Worker) -> PagedBlocks:
+    def _rechunk_table(self, w: RankRecord) -> PagedBlocks:
         if w.rechunk is None:
             w.rechunk = RechunkTable(self._state, w)
         return w.rechunk

@@ -7,7 +7,7 @@ fastest tiers (docs/architecture.md §3). Each engine block keeps the router cha
 boundary before its end plus the tokens after it, so a child store can continue the chain.
 
 A ``RechunkTable`` is created by the applier on a worker's first such store and hangs off the
-worker (``Worker.rechunk``); it changes the global masks through ``IndexState.set_mask`` only.
+worker (``RankRecord.rechunk``); it changes the global masks through ``IndexState.set_mask`` only.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 from indexer.events import BlockStored, EngineHash
 from indexer.hashing import chain_hashes, extra_seed, namespace_keys
 from indexer.index.state import IndexState
-from indexer.index.types import MAX_TIERS, SGLANG_ROOT_PARENT, Worker
+from indexer.index.types import MAX_TIERS, SGLANG_ROOT_PARENT, RankRecord
 
 __all__ = ["RechunkTable"]
 
@@ -37,7 +37,7 @@ class _EBlock:
 class RechunkTable:
     """One worker rank's engine blocks when ``event.block_size != index.block_size``."""
 
-    def __init__(self, index: IndexState, worker: Worker) -> None:
+    def __init__(self, index: IndexState, worker: RankRecord) -> None:
         self.index = index
         self.worker = worker
         self.blocks: dict[EngineHash, _EBlock] = {}

@@ -1,7 +1,7 @@
 """The index's state, and its only owner: worker slots and tables, the tier registry, and the
 global masks (router hash -> slots holding it, in total and per lower tier).
 
-- per ``(worker_id, dp_rank)`` (a ``Worker``): the engine hash of every block it announced ->
+- per ``(worker_id, dp_rank)`` (a ``RankRecord``): the engine hash of every block it announced ->
   the router hash of that block and the tiers holding it, duplicate-store counts, page size;
 - globally: router hash -> bitmask of the worker *slots* holding it (any tier), plus, only for
   blocks some worker holds off-GPU, the slots holding it per lower tier (GPU-only fleets pay
@@ -26,7 +26,7 @@ from indexer.index.native import new_present
 from indexer.index.types import (
     MAX_TIERS,
     MAX_UNKNOWN_MEDIUMS,
-    Worker,
+    RankRecord,
     WorkerIndexStats,
     WorkerKey,
 )
@@ -35,14 +35,14 @@ __all__ = ["IndexState"]
 
 
 class IndexState:
-    """Worker tables, tier registry and global masks. See the module docstring."""
+    """The rank tables, tier registry and global masks. See the module docstring."""
 
     def __init__(self, block_size: int = 16) -> None:
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         self.block_size = block_size
-        self.by_key: dict[WorkerKey, Worker] = {}
-        self.by_slot: list[Worker | None] = []
+        self.by_key: dict[WorkerKey, RankRecord] = {}
+        self.by_slot: list[RankRecord | None] = []
         self.free_slots: list[int] = []
         #: Bits of the slots in use (an int: read through this object, never bound).
         self.all_bits = 0
@@ -71,7 +71,7 @@ class IndexState:
         else:
             slot = len(self.by_slot)
             self.by_slot.append(None)
-        w = Worker(key, slot, model)
+        w = RankRecord(key, slot, model)
         self.by_key[key] = w
         self.by_slot[slot] = w
         self.all_bits |= w.bit
@@ -102,15 +102,15 @@ class IndexState:
     def slot(self, key: WorkerKey) -> int:
         return self.by_key[key].slot
 
-    def worker(self, key: WorkerKey) -> Worker:
+    def worker(self, key: WorkerKey) -> RankRecord:
         """One worker rank's record (KeyError when unknown)."""
         return self.by_key[key]
 
-    def items(self) -> list[tuple[WorkerKey, Worker]]:
+    def items(self) -> list[tuple[WorkerKey, RankRecord]]:
         return list(self.by_key.items())
 
     def slot_keys(self) -> list[WorkerKey]:
-        """Worker keys in slot order, cached until a worker comes or goes (valid as a per-slot
+        """Rank keys in slot order, cached until a worker comes or goes (valid as a per-slot
         list only while no slot is free)."""
         keys = self._keys_cache
         if keys is None:
@@ -142,7 +142,7 @@ class IndexState:
 
     # ---------------------------------------------------------- tier registry
 
-    def tier_id(self, name: str, w: Worker | None = None) -> int:
+    def tier_id(self, name: str, w: RankRecord | None = None) -> int:
         t = self.tier_ids.get(name)
         if t is None:
             # New unknown medium: its own tier while bits remain, then the last one shared, and
@@ -163,7 +163,7 @@ class IndexState:
                 um[name] = um.get(name, 0) + 1
         return t
 
-    def set_page(self, w: Worker, page: int) -> None:
+    def set_page(self, w: RankRecord, page: int) -> None:
         """Record the engine's page size: credit on this worker is rounded down to whole pages."""
         if page == w.page:
             return
@@ -176,7 +176,7 @@ class IndexState:
 
     # ---------------------------------------------------------------- entries
 
-    def count_dup(self, w: Worker, e: EngineHash, t: int) -> None:
+    def count_dup(self, w: RankRecord, e: EngineHash, t: int) -> None:
         """Another store of ``e`` on tier ``t``, which already holds it."""
         d = w.dups.get(e)
         if d is None:
@@ -184,7 +184,7 @@ class IndexState:
         d[t] = d.get(t, 0) + 1
         w.stats.duplicate_stores += 1
 
-    def add_block(self, w: Worker, h: int, e: EngineHash, bit: int) -> None:
+    def add_block(self, w: RankRecord, h: int, e: EngineHash, bit: int) -> None:
         """Engine block ``e`` (just entered in ``w.table``) brings router block ``h`` on ``bit``."""
         multi = w.multi.get(h)
         if multi is not None:
@@ -202,7 +202,7 @@ class IndexState:
             return
         self.set_mask(w, h, 0, bit)
 
-    def add_tier(self, w: Worker, e: EngineHash, bit: int, t: int) -> None:
+    def add_tier(self, w: RankRecord, e: EngineHash, bit: int, t: int) -> None:
         """Tier ``t`` (``bit``) also holds ``w``'s known engine block ``e``."""
         own = w.emask.get(e, 1)
         if own & bit:
@@ -220,7 +220,7 @@ class IndexState:
             multi[e if e in multi else None] = own
             self.set_mask(w, h, old, old | bit)
 
-    def remove_tier(self, w: Worker, e: EngineHash, t: int) -> None:
+    def remove_tier(self, w: RankRecord, e: EngineHash, t: int) -> None:
         """Tier ``t`` no longer holds ``w``'s engine block ``e``; it leaves with its last tier."""
         own = w.emask.get(e, 1)
         bit = 1 << t
@@ -253,7 +253,7 @@ class IndexState:
             del w.multi[h]
         self.set_mask(w, h, old, new)
 
-    def drop_entries(self, w: Worker) -> None:
+    def drop_entries(self, w: RankRecord) -> None:
         """Forget every block of ``w`` (the worker stays)."""
         bit = w.bit
         if w.table or w.rechunk is not None:
@@ -278,7 +278,7 @@ class IndexState:
         w.rechunk = None
         w.tier_counts = [0] * MAX_TIERS
 
-    def worker_mask(self, w: Worker, h: int) -> int:
+    def worker_mask(self, w: RankRecord, h: int) -> int:
         """Tier mask of router block ``h`` on worker ``w`` as the global tables hold it."""
         bit = w.bit
         if not self.present.get(h, 0) & bit:
@@ -289,7 +289,7 @@ class IndexState:
                 mask |= 1 << t
         return mask
 
-    def set_mask(self, w: Worker, h: int, old: int, new: int) -> None:
+    def set_mask(self, w: RankRecord, h: int, old: int, new: int) -> None:
         """Move worker ``w``'s tier mask of router block ``h`` from ``old`` to ``new``."""
         if old == new:
             return
@@ -344,7 +344,7 @@ class IndexState:
 
 
 def _or_all(d: Mapping[Any, int]) -> int:
-    """The union of a ``Worker.multi`` entry's masks."""
+    """The union of a ``RankRecord.multi`` entry's masks."""
     m = 0
     for v in d.values():
         m |= v

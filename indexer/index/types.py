@@ -23,8 +23,8 @@ __all__ = [
     "IndexError_",
     "MatchResult",
     "PagedBlocks",
+    "RankRecord",
     "SnapshotError",
-    "Worker",
     "WorkerIndexStats",
     "WorkerKey",
     "WorkerMatch",
@@ -88,7 +88,7 @@ class WorkerIndexStats:
 
 class PagedBlocks(Protocol):
     """What the rest of the index sees of one worker's engine blocks whose page size is not the
-    router block size (``rechunk.RechunkTable``). A protocol so that ``Worker`` names the table
+    router block size (``rechunk.RechunkTable``). A protocol so that ``RankRecord`` names the table
     without importing its module, which imports this one."""
 
     @property
@@ -105,7 +105,7 @@ class PagedBlocks(Protocol):
     def remove(self, e: EngineHash, t: int) -> None: ...
 
 
-class Worker:
+class RankRecord:
     """One worker rank's record: its engine blocks, their tiers and its counters."""
 
     __slots__ = (

@@ -59,11 +59,14 @@ def rank_endpoint(endpoint: str, rank: int) -> str:
 
 
 class WorkerEndpoint(msgspec.Struct, frozen=True):
-    worker_id: str
+    """Where one worker publishes: the same names as the router's worker config
+    (``id``, ``events_endpoint``, ``replay_endpoint``, ``dp_ranks``, ``model``)."""
+
+    id: str
     #: "tcp://host:5557": dp rank r publishes on port + r.
-    events: str
+    events_endpoint: str
     #: The publisher's ROUTER replay endpoint, dp rank r on port + r.
-    replay: str | None = None
+    replay_endpoint: str | None = None
     dp_ranks: int = 1
     model: str = ""
 
@@ -221,11 +224,13 @@ class WorkerRank:
     )
 
     def __init__(self, ep: WorkerEndpoint, rank: int) -> None:
-        self.worker_id = ep.worker_id
+        self.worker_id = ep.id
         self.rank = rank
-        self.key: WorkerKey = (ep.worker_id, rank)
-        self.events_ep = rank_endpoint(ep.events, rank)
-        self.replay_ep = None if ep.replay is None else rank_endpoint(ep.replay, rank)
+        self.key: WorkerKey = (ep.id, rank)
+        self.events_ep = rank_endpoint(ep.events_endpoint, rank)
+        self.replay_ep = (
+            None if ep.replay_endpoint is None else rank_endpoint(ep.replay_endpoint, rank)
+        )
         self.sub: Watch | None = None
         self.mon: Watch | None = None
         self.dealer: Watch | None = None
@@ -237,7 +242,7 @@ class WorkerRank:
         #: Last seq received on the SUB socket; a live seq at or below it means a restart.
         self.live_last = -1
         self.replay: Replay | None = None
-        self.stats = WorkerStats(ep.worker_id, rank)
+        self.stats = WorkerStats(ep.id, rank)
         #: Hot-path flag: no replay running and trusted, so seq == last + 1 just applies.
         self.fast = True
         #: Untrusted until an in-order seq above this is applied.

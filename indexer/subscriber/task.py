@@ -101,12 +101,12 @@ class Subscriber:
 
     async def add_worker(self, ep: WorkerEndpoint) -> None:
         """Subscribe to ``ep`` (every dp rank). Returns once its sockets are connecting."""
-        if not ep.worker_id or ep.dp_ranks < 1:
+        if not ep.id or ep.dp_ranks < 1:
             raise SubscriberError(f"invalid worker endpoint {ep!r}")
         for rank in range(ep.dp_ranks):
-            rank_endpoint(ep.events, rank)
-            if ep.replay is not None:
-                rank_endpoint(ep.replay, rank)
+            rank_endpoint(ep.events_endpoint, rank)
+            if ep.replay_endpoint is not None:
+                rank_endpoint(ep.replay_endpoint, rank)
         await self._submit("add", ep)
 
     async def remove_worker(self, worker_id: str) -> None:
@@ -194,15 +194,15 @@ class Subscriber:
             self._do_restore(arg)
 
     def _do_add(self, ep: WorkerEndpoint) -> None:
-        known = self._workers.get(ep.worker_id)
+        known = self._workers.get(ep.id)
         if known is not None:
             if known[0] == ep:
                 return
-            raise SubscriberError(f"worker {ep.worker_id!r} is already registered differently")
+            raise SubscriberError(f"worker {ep.id!r} is already registered differently")
         ranks: list[WorkerRank] = []
         try:
             for rank in range(ep.dp_ranks):
-                self._index.add_worker(ep.worker_id, rank, model=ep.model)
+                self._index.add_worker(ep.id, rank, model=ep.model)
                 r = WorkerRank(ep, rank)
                 ranks.append(r)
                 self._sockets.open_rank(r, self._stream.drain_sub, self._stream.drain_mon)
@@ -216,11 +216,11 @@ class Subscriber:
         except Exception as exc:
             for r in ranks:
                 self._close_rank(r)
-            self._index.remove_worker(ep.worker_id)
+            self._index.remove_worker(ep.id)
             if isinstance(exc, zmq.ZMQError):
                 raise SubscriberError(f"cannot subscribe to {ep!r}: {exc}") from exc
             raise
-        self._workers[ep.worker_id] = (ep, ranks)
+        self._workers[ep.id] = (ep, ranks)
 
     def _do_remove(self, worker_id: str) -> None:
         entry = self._workers.pop(worker_id, None)

@@ -114,9 +114,9 @@ class Runtime:
         st = self.registry.add(cfg, dynamic=dynamic)
         assert cfg.events_endpoint is not None  # (read from the worker above when not given)
         ep = WorkerEndpoint(
-            worker_id=cfg.id,
-            events=cfg.events_endpoint,
-            replay=cfg.replay_endpoint,
+            id=cfg.id,
+            events_endpoint=cfg.events_endpoint,
+            replay_endpoint=cfg.replay_endpoint,
             dp_ranks=cfg.dp_ranks,
             model=cfg.model,
         )

@@ -10,7 +10,7 @@ from router.cli import build_parser, settings_from_args
 from router.errors import ConfigError
 from router.settings import DEFAULT_TIER_WEIGHTS, Settings, load_settings, parse_worker_spec
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 
 
 def test_defaults():
