@@ -2,31 +2,66 @@
 
 Gauges and counters are read from the engine loop's latest :class:`EngineStats` at scrape time
 (vLLM's names, labelled ``model_name``); request latencies are histograms the handlers observe.
+``vllm:cache_config_info`` says the cache's size as vLLM does (a gauge of 1 whose labels are the
+cache config, ``num_gpu_blocks`` among them), with the DISK and EXTERNAL tiers' sizes vLLM has
+no label for: a router caps this worker's entries in its index at them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from engine.config import EngineConfig
 from engine.engine import EngineStats
 
-__all__ = ["EngineMetrics"]
+__all__ = ["EngineMetrics", "cache_config_labels"]
+
+
+def cache_config_labels(cfg: EngineConfig, dp_rank: int = 0) -> dict[str, str]:
+    """The labels of ``vllm:cache_config_info``: vLLM's (its cache config's fields as strings,
+    ``engine`` the data-parallel rank), then ``num_disk_blocks`` and ``num_external_blocks``
+    for the tiers this engine has and vLLM does not."""
+    labels = {
+        "block_size": str(cfg.block_size),
+        "cache_dtype": "auto",
+        "enable_prefix_caching": str(cfg.enable_prefix_caching),
+        "engine": str(dp_rank),
+        "num_cpu_blocks": str(cfg.num_cpu_blocks),
+        "num_gpu_blocks": str(cfg.num_gpu_blocks),
+    }
+    if cfg.disk_dir is not None:
+        labels["num_disk_blocks"] = str(cfg.num_disk_blocks)
+    if (cfg.external_url or cfg.external_dir) and cfg.num_external_blocks is not None:
+        labels["num_external_blocks"] = str(cfg.num_external_blocks)
+    return labels
+
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10)
 
 
 class _StatsCollector(Collector):
-    def __init__(self, model: str, stats: Callable[[], EngineStats]) -> None:
+    def __init__(
+        self, model: str, stats: Callable[[], EngineStats], cache: Mapping[str, str]
+    ) -> None:
         self.model = model
         self.stats = stats
+        self.cache = dict(cache)
 
     def collect(self) -> Iterator[Metric]:
         s = self.stats()
         m = [self.model]
+        if self.cache:
+            info = GaugeMetricFamily(
+                "vllm:cache_config_info",
+                "Information of the LLMEngine CacheConfig",
+                labels=list(self.cache),
+            )
+            info.add_metric(list(self.cache.values()), 1.0)
+            yield info
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
@@ -83,9 +118,14 @@ class _StatsCollector(Collector):
 
 
 class EngineMetrics:
-    def __init__(self, model: str, stats: Callable[[], EngineStats]) -> None:
+    def __init__(
+        self,
+        model: str,
+        stats: Callable[[], EngineStats],
+        cache_config: Mapping[str, str] | None = None,
+    ) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_StatsCollector(model, stats))
+        self.registry.register(_StatsCollector(model, stats, cache_config or {}))
         self.ttft = Histogram(
             "vllm:time_to_first_token_seconds",
             "Time to first token (wall clock, from request receipt).",

@@ -25,7 +25,7 @@ from engine import sglang_compat
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.config import ServerSettings
 from engine.engine import InvalidRequestError, LLMEngine, RequestOutput
-from engine.metrics import EngineMetrics
+from engine.metrics import EngineMetrics, cache_config_labels
 from engine.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -79,7 +79,9 @@ def create_app(
                 settings,
                 engine,
                 tokenizer,
-                EngineMetrics(model, lambda: engine.stats),
+                EngineMetrics(
+                    model, lambda: engine.stats, cache_config_labels(cfg, settings.dp_rank)
+                ),
                 publisher,
                 model,
             )

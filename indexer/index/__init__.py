@@ -5,7 +5,8 @@
 - ``state``: ``IndexState``, the only owner of worker tables, the tier registry and the masks;
 - ``apply``: ``Applier``, events -> state, one entry point ``apply_batch`` (the subscriber task);
 - ``match``: ``Matcher``, request -> per-worker matched prefix, one entry point ``match`` (read-only);
-- ``evict``: ``Evictor``, the optional cap (least recently matched first), swept by the writer;
+- ``evict``: ``Evictor``, the caps per rank (its KV capacity, else a default) and in all, least
+  recently used first;
 - ``rechunk``: a worker's engine blocks whose page size is not the router block size;
 - ``snapshot``: the state to and from a file;
 - ``native``: the C/Python façade of the hot loops.
@@ -63,6 +64,7 @@ class PrefixIndex:
         self._matcher = Matcher(state)
         self._applier = Applier(state)
         self._evictor = Evictor(state, self._matcher)
+        self._applier.over_cap = self._evictor.over_cap
 
     # ------------------------------------------------------------------ reads
 
@@ -109,12 +111,36 @@ class PrefixIndex:
     # -------------------------------------------------------------------- cap
 
     def set_cap(self, max_entries: int) -> None:
-        """Cap the index at ``max_entries`` entries (0: no cap)."""
+        """Cap the index at ``max_entries`` entries in all (0: no global cap)."""
         self._evictor.set_cap(max_entries)
 
+    def set_rank_caps(self, default: int, margin: float = 1.0) -> None:
+        """Cap each rank at its KV capacity times ``margin`` when known, else at ``default``
+        entries (0: none). Over it, that rank's least recently used entries go (see ``evict``)."""
+        self._evictor.set_rank_caps(default, margin)
+
+    def set_rank_capacity(self, key: WorkerKey, capacity: Mapping[str, int] | None) -> bool:
+        """Rank ``key``'s KV capacity, engine blocks per canonical tier (None: not known); what
+        its new cap leaves over goes at once. False when the rank is not in the index."""
+        w = self._state.by_key.get(key)
+        if w is None:
+            return False
+        self._evictor.set_rank_capacity(w, capacity)
+        return True
+
+    def rank_cap(self, key: WorkerKey) -> tuple[int, str]:
+        """Rank ``key``'s cap now (0: none), and whether it is its "capacity" or the "default"."""
+        return self._evictor.rank_cap(self._state.by_key[key])
+
     def enforce_cap(self) -> int:
-        """Evict down to 90 % of the cap when over it; the entries evicted (see ``evict``)."""
+        """Fold recent matches into recency marks; when over the global cap, evict under it;
+        the entries evicted (see ``evict``). The writer calls it between rounds."""
         return self._evictor.enforce_cap()
+
+    @property
+    def capped(self) -> bool:
+        """Some cap is on: the writer calls ``enforce_cap`` every round."""
+        return self._evictor.active
 
     @property
     def max_entries(self) -> int:
@@ -140,7 +166,9 @@ class PrefixIndex:
         return self._state.items()
 
     def worker_stats(self, key: WorkerKey) -> WorkerIndexStats:
-        return self._state.worker_stats(key)
+        st = self._state.worker_stats(key)
+        st.max_entries, st.cap_source = self._evictor.rank_cap(self._state.by_key[key])
+        return st
 
     def __len__(self) -> int:
         """Number of distinct router blocks held by at least one worker."""

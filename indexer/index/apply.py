@@ -22,6 +22,8 @@ What the engine can really reuse (issue 12):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from indexer.events import (
     FULL_PREFIX_KINDS,
     AllBlocksCleared,
@@ -55,6 +57,9 @@ class Applier:
         self._add_block = state.add_block
         self._add_tier = state.add_tier
         self._remove_tier = state.remove_tier
+        #: Called with a rank past ``RankRecord.cap`` after its batch (the evictor's, see
+        #: ``indexer.index.evict``); returns the entries it evicted.
+        self.over_cap: Callable[[RankRecord], int] = lambda w: 0
 
     def apply_batch(self, worker_id: str, batch: EventBatch, *, dp_rank: int | None = None) -> None:
         rank = dp_rank if dp_rank is not None else (batch.dp_rank or 0)
@@ -104,11 +109,25 @@ class Applier:
                     self._remove(w, hashes, 0)
                     continue
             self._apply(w, ev)
+        self._count(w)
 
     def apply_event(self, key: WorkerKey, event: Event) -> None:
         if key not in self._workers:
             self._state.add_worker(*key)
-        self._apply(self._workers[key], event)
+        w = self._workers[key]
+        self._apply(w, event)
+        self._count(w)
+
+    def _count(self, w: RankRecord) -> None:
+        """After a batch: the rank's entries into the running total, and past ``w.cap`` (where
+        it nears its cap) to the evictor."""
+        n = len(w.table)
+        if w.rechunk is not None:
+            n += len(w.rechunk.blocks)
+        self._state.counted_total += n - w.counted
+        w.counted = n
+        if w.cap and n > w.cap:
+            self.over_cap(w)
 
     def _apply(self, w: RankRecord, ev: Event) -> None:
         if type(ev) is BlockStored:

@@ -19,7 +19,10 @@ from indexer.index.native import walk_overlay as _walk_overlay
 from indexer.index.state import IndexState
 from indexer.index.types import EXTERNAL, MAX_TIERS, ZERO, MatchResult, WorkerKey, WorkerMatch
 
-__all__ = ["Matcher"]
+__all__ = ["RECORD_BLOCKS", "Matcher"]
+
+#: Hashes of one request kept in ``Matcher.recent`` (a 64 K-token prefix at 16-token blocks).
+RECORD_BLOCKS = 4096
 
 
 class Matcher:
@@ -40,8 +43,8 @@ class Matcher:
         self._paged = state.paged
         self._tier_names = state.tier_names
         self._tier_ids = state.tier_ids
-        #: Requests matched since the cap's last sweep (their hashes), set by ``Evictor.set_cap``;
-        #: None without a cap.
+        #: Requests matched lately (their first ``RECORD_BLOCKS`` hashes), for the caps'
+        #: recency marks (``indexer.index.evict``); None without a cap.
         self.recent: deque[Sequence[int]] | None = None
 
     def request_hashes(
@@ -63,8 +66,8 @@ class Matcher:
     ) -> MatchResult:
         """Per worker: matched prefix blocks, and how many sit on each (fastest) tier; on a
         worker with engine pages larger than a router block, whole pages only."""
-        if self.recent is not None:
-            self.recent.append(hashes)
+        if self.recent is not None:  # bounded: a huge request's tail is rarely anyone's prefix
+            self.recent.append(hashes if len(hashes) <= RECORD_BLOCKS else hashes[:RECORD_BLOCKS])
         res = self._match(hashes, overlay, pools)
         return self._round_pages(res) if self._paged else res
 

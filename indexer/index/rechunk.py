@@ -130,6 +130,26 @@ class RechunkTable:
         if not eb.tiers:
             self._collect(e, eb)
 
+    def evict(self, e: EngineHash) -> None:
+        """Drop engine block ``e`` from every tier at once (a cap's eviction)."""
+        eb = self.blocks[e]
+        if not eb.tiers:
+            return
+        m, t = eb.tiers, 0
+        while m:
+            if m & 1:
+                self.tier_counts[t] -= 1
+            m >>= 1
+            t += 1
+        eb.tiers = 0
+        for h in eb.routers:
+            self._recompute(h)
+        self._collect(e, eb)
+
+    def renew(self, e: EngineHash) -> None:
+        """Move ``e`` to the back of the eviction order (it was used)."""
+        self.blocks[e] = self.blocks.pop(e)
+
     def load_block(
         self,
         e: EngineHash,
@@ -183,8 +203,10 @@ class RechunkTable:
 
     def _collect(self, e: EngineHash, eb: _EBlock) -> None:
         """Forget router blocks none of whose engine blocks is held, then engine blocks no
-        router block needs. A held child keeps its (empty) ancestors so a re-store of them
-        brings the router blocks they cover back."""
+        router block needs (``e`` and the others of those router blocks: an engine evicting
+        leaves first empties a router block's blocks before its last one goes). A held child
+        keeps its (empty) ancestors so a re-store of them brings the router blocks they cover
+        back."""
         for h in list(eb.routers):
             cov = self.cover[h]
             if all(not self.blocks[c].tiers for c in cov if c in self.blocks):
@@ -193,5 +215,7 @@ class RechunkTable:
                     cb = self.blocks.get(c)
                     if cb is not None:
                         cb.routers.remove(h)
+                        if c != e and not cb.tiers and not cb.routers:
+                            del self.blocks[c]
         if not eb.tiers and not eb.routers:
             del self.blocks[e]

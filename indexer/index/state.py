@@ -58,6 +58,11 @@ class IndexState:
         self.tier_ids: dict[str, int] = {n: i for i, n in enumerate(CANONICAL_TIERS)}
         #: Tiers outside the canonical ones that were seen (scored like EXTERNAL).
         self.unknown_tiers: dict[str, int] = {}
+        #: ``RankRecord.cap`` of a new rank (set by ``evict``, from the default cap per rank).
+        self.rank_cap_default = 0
+        #: Entries in all as counted batch by batch (``RankRecord.counted``: the applier adds a
+        #: batch's, dropping a rank's entries takes them off, the evictor recounts when past it).
+        self.counted_total = 0
 
     # ------------------------------------------------------------------ workers
 
@@ -72,6 +77,7 @@ class IndexState:
             slot = len(self.by_slot)
             self.by_slot.append(None)
         w = RankRecord(key, slot, model)
+        w.cap = self.rank_cap_default
         self.by_key[key] = w
         self.by_slot[slot] = w
         self.all_bits |= w.bit
@@ -271,6 +277,8 @@ class IndexState:
                             dead.append(h)
                 for h in dead:
                     del d[h]
+        self.counted_total -= w.counted
+        w.counted = 0
         w.table = {}
         w.emask = {}
         w.multi = {}

@@ -80,8 +80,14 @@ class WorkerIndexStats:
     duplicate_stores: int = 0
     #: Events of partial-prefix KV cache groups (sliding window, Mamba): counted, not applied.
     partial_group_events: int = 0
-    #: Entries dropped by the index cap (least recently matched first).
+    #: Entries dropped by the global cap (``max_index_entries``), least recently used first.
     evicted_entries: int = 0
+    #: Entries dropped by this rank's own cap (its KV capacity, else the default per rank).
+    rank_evicted_entries: int = 0
+    #: This rank's cap in entries now (0: none), and where it comes from: "capacity" (the
+    #: worker's KV capacity times the margin), "default" (the default per rank) or "".
+    max_entries: int = 0
+    cap_source: str = ""
     #: Events with an unknown ``medium``, by name (bounded, see ``MAX_UNKNOWN_MEDIUMS``).
     unknown_mediums: dict[str, int] = field(default_factory=dict)
 
@@ -104,12 +110,20 @@ class PagedBlocks(Protocol):
 
     def remove(self, e: EngineHash, t: int) -> None: ...
 
+    def evict(self, e: EngineHash) -> None: ...
+
+    def renew(self, e: EngineHash) -> None: ...
+
 
 class RankRecord:
     """One worker rank's record: its engine blocks, their tiers and its counters."""
 
     __slots__ = (
         "bit",
+        "cap",
+        "cap_warned",
+        "capacity",
+        "counted",
         "dups",
         "emask",
         "key",
@@ -147,6 +161,13 @@ class RankRecord:
         self.page = 0
         #: group_idx values seen with a partial-prefix kv_cache_spec_kind
         self.partial_groups: set[int] = set()
+        #: Entries past which the applier asks the evictor about this rank (0: never): where
+        #: it nears its cap; its KV capacity by tier id (engine blocks) when the worker said it;
+        #: warned about its cap; its entries as ``IndexState.counted_total`` last counted them
+        self.cap = 0
+        self.capacity: dict[int, int] | None = None
+        self.cap_warned = False
+        self.counted = 0
 
     def seed(self, lora_name: str | None, lora_id: int | None) -> int:
         """Root of this worker's chains for a LoRA adapter (one known by id only is named by it)."""

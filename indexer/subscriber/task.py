@@ -3,8 +3,8 @@
 For every worker and dp rank it subscribes to the worker's event endpoint (rank r on base port +
 r) and, while a replay runs, talks to its replay endpoint (also base port + r). One asyncio task
 does all of it and is the only code that mutates the index; ``add_worker``/``remove_worker``/
-``restore_seqs`` are commands to it. The subscriber holds the registry of workers and the task,
-and one of each part it composes:
+``restore_seqs``/``set_capacity`` are commands to it. The subscriber holds the registry of
+workers and the task, and one of each part it composes:
 
 - ``sockets.Sockets``: the sockets, their registration with the loop, the task's wait;
 - ``stream.StreamRules``: what to do with each live batch and connection event;
@@ -53,7 +53,9 @@ class Subscriber:
         context: zmq.Context[Any] | None = None,
         replay_timeout: float = 2.0,
         clock: Callable[[], float] = time.time,
-        rcvhwm: int = 100_000,
+        # a rank's receive queue, in messages: past it libzmq stops reading the socket (TCP
+        # pushes back), so a publisher faster than the router buffers in its own memory
+        rcvhwm: int = 1_000,
         max_buffered: int = 100_000,
         max_message_bytes: int = 64 << 20,
     ) -> None:
@@ -118,6 +120,11 @@ class Subscriber:
         seq, checked to come from the same publisher process (else its entries are rebuilt); a
         gap the publisher can no longer replay drops that rank's entries."""
         self._post("restore", dict(seqs))
+
+    def set_capacity(self, key: WorkerKey, capacity: Mapping[str, int] | None) -> None:
+        """Rank ``key``'s KV capacity in engine blocks per tier (None: not known), which caps
+        its entries in the index (``PrefixIndex.set_rank_capacity``): a command to the task."""
+        self._post("capacity", (key, None if capacity is None else dict(capacity)))
 
     def stats(self) -> dict[WorkerKey, WorkerStats]:
         """Per (worker_id, dp_rank) stats, refreshed from the index (the objects are live)."""
@@ -190,6 +197,8 @@ class Subscriber:
             self._do_add(arg)
         elif kind == "remove":
             self._do_remove(arg)
+        elif kind == "capacity":
+            self._index.set_rank_capacity(*arg)
         else:
             self._do_restore(arg)
 
@@ -283,7 +292,7 @@ class Subscriber:
                         continue
                     if more and not w.closed:
                         ready[w] = None
-                if self._index.max_entries:
+                if self._index.capped:
                     self._index.enforce_cap()
                 await asyncio.sleep(0)
             except asyncio.CancelledError:

@@ -1,6 +1,9 @@
 """Active health checks of the workers, and what they learn on the way: served models
-(``GET /v1/models``) and, when scoring uses it, the load a worker reports on its ``/metrics``.
-Writes what it finds into the worker table (:class:`router.fleet.registry.Registry`).
+(``GET /v1/models``), when scoring uses it the load a worker reports on its ``/metrics``, and,
+whatever scoring uses, its KV capacity there (:mod:`router.fleet.capacity`; at most once per
+``capacity_every_s``, handed on through ``on_capacity`` when it changed: the runtime passes it to
+the index's writer). Writes what it finds into the worker table
+(:class:`router.fleet.registry.Registry`).
 
 Each worker is checked every ``health.interval_s`` (``GET {url}{health.path}``), one at a time,
 spread over the interval: a burst of checks on the event loop would stall the placements waiting
@@ -14,9 +17,11 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Callable
 
 import msgspec
 
+from router.fleet.capacity import parse_kv_capacity, rank_capacities
 from router.fleet.registry import Registry, WorkerState
 from router.fleet.upstream import UpstreamError, UpstreamPool
 from router.types import ScrapedLoad
@@ -81,10 +86,19 @@ _decode_models = msgspec.json.Decoder(_ModelList).decode
 class HealthChecker:
     """Checks every worker of ``registry`` through ``http``; ``run`` is the app's health task."""
 
-    def __init__(self, registry: Registry, http: UpstreamPool) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        http: UpstreamPool,
+        *,
+        capacity_every_s: float = 60.0,
+        on_capacity: Callable[[WorkerState], None] | None = None,
+    ) -> None:
         self.registry = registry
         self.settings = registry.health
         self.http = http
+        self.capacity_every_s = capacity_every_s
+        self.on_capacity = on_capacity
 
     async def check(self, st: WorkerState) -> None:
         timeout = self.settings.timeout_s
@@ -106,13 +120,33 @@ class HealthChecker:
             if now - st.discovery_at >= _REDISCOVER_S:  # a worker without /v1/models: not
                 st.discovery_at = now  # asked again every round
                 await self._discover_models(st)
+        now = self.registry.clock()
+        capacity = now - st.capacity_at >= self.capacity_every_s
+        if not (self.registry.scrape_metrics or capacity):
+            return
+        if capacity:
+            st.capacity_at = now  # asked, answered or not: not again before the interval
+        try:
+            status, body = await self.http.get(st.url, "/metrics", timeout)
+        except UpstreamError as e:
+            log.debug("scraping %s/metrics failed: %r", st.url, e)
+            return
+        if status != 200:
+            return
+        text = body.decode("utf-8", "replace")
         if self.registry.scrape_metrics:
-            try:
-                status, body = await self.http.get(st.url, "/metrics", timeout)
-                if status == 200:
-                    st.scraped = parse_load_metrics(body.decode("utf-8", "replace"))
-            except UpstreamError as e:
-                log.debug("scraping %s/metrics failed: %r", st.url, e)
+            st.scraped = parse_load_metrics(text)
+        if capacity and self.registry.workers.get(st.id) is st:
+            self._learn_capacity(st, text)
+
+    def _learn_capacity(self, st: WorkerState, text: str) -> None:
+        caps = rank_capacities(parse_kv_capacity(text), st.config.dp_ranks)
+        if caps == st.kv_capacity:
+            return
+        st.kv_capacity = caps
+        log.info("worker %s KV capacity per rank (engine blocks): %s", st.id, caps)
+        if self.on_capacity is not None:
+            self.on_capacity(st)
 
     async def _discover_models(self, st: WorkerState) -> None:
         try:

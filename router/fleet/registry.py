@@ -36,6 +36,9 @@ class WorkerState:
         self.discovered_models: frozenset[str] = frozenset()
         self.discovery_at = -math.inf  # monotonic time of the last /v1/models attempt
         self.scraped: ScrapedLoad | None = None
+        #: KV capacity per rank (engine blocks per tier; None: not reported), from ``/metrics``
+        self.kv_capacity: list[dict[str, int] | None] | None = None
+        self.capacity_at = -math.inf  # monotonic time of the last capacity scrape
         self.last_routed_at: float | None = None  # monotonic
         self.keys: list[WorkerKey] = [(config.id, r) for r in range(config.dp_ranks)]
         self.key_hashes = [worker_hash(k) for k in self.keys]

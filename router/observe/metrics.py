@@ -6,8 +6,8 @@ module's own light families, not ``prometheus_client``'s: everything here runs o
 so no lock is needed, and a histogram observation is a ``bisect`` and two adds (~0.2 µs, against
 ~1.5 µs, several times that on cold caches, for ``prometheus_client``'s locked Python loop over
 the buckets); the exposition is the same. Event-plane and index
-state (events by type, malformed, orphans, gaps, replays, lag, blocks per tier, worker
-health) is read at scrape time by :class:`StateCollector` from the subscriber's and index's own
+state (events by type, malformed, orphans, gaps, replays, lag, blocks per tier, caps and
+evictions, worker health) is read at scrape time by :class:`StateCollector` from the subscriber's and index's own
 counters, on the event loop (``/metrics`` is an async handler), so nothing is counted twice.
 """
 
@@ -17,11 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    Metric,
-)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from indexer.index.native import BACKENDS as NATIVE_BACKENDS
@@ -65,21 +61,8 @@ def register_process_metrics(registry: CollectorRegistry) -> None:
 
 
 _LATENCY_BUCKETS = (
-    50e-6,
-    100e-6,
-    200e-6,
-    300e-6,
-    450e-6,
-    700e-6,
-    1e-3,
-    2e-3,
-    5e-3,
-    10e-3,
-    25e-3,
-    50e-3,
-    0.1,
-    0.5,
-)
+    50e-6, 100e-6, 200e-6, 300e-6, 450e-6, 700e-6, 1e-3, 2e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.5
+)  # fmt: skip
 _TTFB_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _RATIO_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
 _TOKEN_ERR_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 65536)
@@ -115,7 +98,6 @@ _SUB_COUNTERS = (
 _INDEX_COUNTERS = (
     ("duplicate_stores", "stores of a block already held on that tier (each needs a removal)"),
     ("partial_group_events", "events of sliding-window or Mamba KV groups (not applied)"),
-    ("evicted_entries", "entries evicted by max_index_entries, least recently matched first"),
 )
 
 
@@ -169,6 +151,18 @@ class StateCollector(Collector):
             name: CounterMetricFamily(f"kvrouter_index_{name}", doc, labels=labels)
             for name, doc in _INDEX_COUNTERS
         }
+        evicted = CounterMetricFamily(
+            "kvrouter_index_evicted_entries",
+            "entries evicted, least recently used first, by the cap that did: index_cap "
+            "(max_index_entries) or rank_cap (the rank's own: kvrouter_index_rank_max_entries)",
+            labels=[*labels, "reason"],
+        )
+        rank_cap = GaugeMetricFamily(
+            "kvrouter_index_rank_max_entries",
+            "the rank's cap on its index entries (0: none): its KV capacity x "
+            "index.capacity_margin (source=capacity), or index.max_rank_entries (default)",
+            labels=[*labels, "source"],
+        )
         native = GaugeMetricFamily(
             "kvrouter_index_native",
             "1 for the implementation (c or python) each hot loop of the index runs",
@@ -206,6 +200,10 @@ class StateCollector(Collector):
                 idx_orphans.add_metric(lv, float(getattr(ix, "orphan_blocks", 0)))
                 for name, _doc in _INDEX_COUNTERS:
                     idx_counters[name].add_metric(lv, float(getattr(ix, name, 0)))
+                evicted.add_metric([*lv, "index_cap"], float(getattr(ix, "evicted_entries", 0)))
+                evicted.add_metric([*lv, "rank_cap"], float(getattr(ix, "rank_evicted_entries", 0)))
+                cap, source = getattr(ix, "max_entries", 0), getattr(ix, "cap_source", "")
+                rank_cap.add_metric([*lv, source or "none"], float(cap))
         yield healthy
         yield stale
         yield connected
@@ -216,6 +214,8 @@ class StateCollector(Collector):
         yield blocks
         yield idx_orphans
         yield from idx_counters.values()
+        yield evicted
+        yield rank_cap
         yield native
 
 

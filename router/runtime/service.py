@@ -32,6 +32,7 @@ from router.observe.metrics import (
     register_process_metrics,
 )
 from router.placement import Placer
+from router.runtime.memory import default_index_cap
 from router.runtime.tokenize import Tokenizer, byte_tokenizer_warning, make_tokenizer
 from router.settings import Settings, WorkerConfig
 from router.types import WorkerKey
@@ -81,7 +82,19 @@ class Runtime:
             ca_file=p.ca_file,
         )
         self.index, seqs = load_index(settings)
-        self.index.set_cap(settings.max_index_entries)
+        ix = settings.index
+        cap = settings.max_index_entries
+        if cap is None:
+            cap = default_index_cap(ix.memory_fraction)
+        self.index.set_cap(cap)
+        self.index.set_rank_caps(ix.max_rank_entries, ix.capacity_margin)
+        log.info(
+            "index cap: %s entries in all, %s per worker rank whose KV capacity is not known "
+            "(else its capacity x %g)",
+            f"{cap:,}" if cap else "no",
+            f"{ix.max_rank_entries:,}" if ix.max_rank_entries else "no",
+            ix.capacity_margin,
+        )
         self.subscriber = Subscriber(
             self.index,
             replay_timeout=settings.subscriber.replay_timeout_s,
@@ -91,7 +104,12 @@ class Runtime:
             self.subscriber.restore_seqs(seqs)
         sc = settings.scoring
         self.registry = Registry(settings.health, scrape_metrics=sc.scrapes_metrics, clock=clock)
-        self.health = HealthChecker(self.registry, self.upstream)
+        self.health = HealthChecker(
+            self.registry,
+            self.upstream,
+            capacity_every_s=ix.capacity_refresh_s,
+            on_capacity=self._capacity_learned,
+        )
         self.prom = CollectorRegistry(auto_describe=True)
         self.metrics = RouterMetrics(self.prom)
         self.prom.register(StateCollector(self._samples))
@@ -150,6 +168,12 @@ class Runtime:
         self.registry.remove(worker_id)
         await self.subscriber.remove_worker(worker_id)  # and, on its task, from the index
         self.metrics.forget_worker(worker_id)
+
+    def _capacity_learned(self, st: WorkerState) -> None:
+        """A worker's KV capacity changed (the health checker's scrape): each rank's cap in the
+        index follows, set by the subscriber task, the index's only writer."""
+        for key, cap in zip(st.keys, st.kv_capacity or ()):
+            self.subscriber.set_capacity(key, cap)
 
     async def check_tokenizer(self) -> None:
         """Warn once per worker whose engine has its own vocabulary while text is tokenized as

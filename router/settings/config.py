@@ -27,6 +27,7 @@ __all__ = [
     "DEFAULT_TIER_WEIGHTS",
     "DiscoverySettings",
     "HealthSettings",
+    "IndexSettings",
     "KubernetesSettings",
     "ProxySettings",
     "RouteSettings",
@@ -153,6 +154,21 @@ class SubscriberSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True
         _check(self.max_message_bytes > 0, "max_message_bytes", "must be > 0")
 
 
+class IndexSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """The index's memory bounds besides ``max_index_entries`` (docs/architecture.md §3)."""
+
+    max_rank_entries: int = 1_000_000
+    capacity_margin: float = 1.25
+    memory_fraction: float = 0.25
+    capacity_refresh_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        _check(self.max_rank_entries >= 0, "max_rank_entries", "must be >= 0")
+        _check(self.capacity_margin >= 1, "capacity_margin", "must be >= 1")
+        _check(0 < self.memory_fraction <= 1, "memory_fraction", "must be in (0, 1]")
+        _check(self.capacity_refresh_s > 0, "capacity_refresh_s", "must be > 0")
+
+
 class SnapshotSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     path: str | None = None
     interval_s: float = 60.0
@@ -180,7 +196,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     host: str = "127.0.0.1"
     port: int = 8000
     block_size: int = 16
-    max_index_entries: int = 0
+    max_index_entries: int | None = None
     admin_key: str | None = None
     admin_open: bool = False
     api_keys: list[str] = msgspec.field(default_factory=list)
@@ -193,6 +209,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     scoring: ScoringSettings = msgspec.field(default_factory=ScoringSettings)
     route: RouteSettings = msgspec.field(default_factory=RouteSettings)
     subscriber: SubscriberSettings = msgspec.field(default_factory=SubscriberSettings)
+    index: IndexSettings = msgspec.field(default_factory=IndexSettings)
     snapshot: SnapshotSettings = msgspec.field(default_factory=SnapshotSettings)
     kubernetes: KubernetesSettings = msgspec.field(default_factory=KubernetesSettings)
     tracing: TracingSettings = msgspec.field(default_factory=TracingSettings)
@@ -202,7 +219,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         _check(0 <= self.port <= 65535, "port", "must be between 0 and 65535")
         _check(self.log_format in ("text", "json"), "log_format", "must be text or json")
         _check(1 <= self.block_size <= 4096, "block_size", "must be between 1 and 4096")
-        _check(self.max_index_entries >= 0, "max_index_entries", "must be >= 0")
+        _check((self.max_index_entries or 0) >= 0, "max_index_entries", "must be >= 0")
         _check(
             self.tokenizer in ("byte", "worker") or self.tokenizer.startswith("hf:"),
             "tokenizer",

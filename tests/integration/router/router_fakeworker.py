@@ -69,8 +69,11 @@ class FakeWorker:
         publish_on_request: bool = True,
         replay_mode: str = "answer",
         tls: tuple[str, str] | None = None,
+        kv_capacity: int | None = None,
     ) -> None:
         self.worker_id = worker_id
+        #: GPU KV blocks reported on /metrics (vLLM's ``vllm:cache_config_info``); None: not reported
+        self.kv_capacity = kv_capacity
         #: (certificate, key) PEM files: the worker serves https
         self.tls = tls
         self.block_size = block_size
@@ -227,6 +230,15 @@ class FakeWorker:
             f'vllm:num_requests_waiting{{model_name="{self.model}"}} 0\n'
             f'vllm:kv_cache_usage_perc{{model_name="{self.model}"}} 0.25\n'
         )
+        if self.kv_capacity is not None:  # as vLLM prints it (one line per engine, value 1)
+            text += (
+                "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
+                "# TYPE vllm:cache_config_info gauge\n"
+                f'vllm:cache_config_info{{block_size="{self.block_size}",cache_dtype="auto",'
+                'enable_prefix_caching="True",engine="0",gpu_memory_utilization="0.9",'
+                f'num_cpu_blocks="None",num_gpu_blocks="{self.kv_capacity}",'
+                'num_gpu_blocks_override="None",prefix_caching_hash_algo="sha256"} 1.0\n'
+            )
         return PlainTextResponse(text)
 
     async def _tokenize(self, request: Request) -> Response:
