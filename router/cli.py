@@ -133,9 +133,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger("httpx").setLevel(logging.WARNING)
     from router.edge.server import server_config
 
-    config = server_config(
-        app, host=settings.host, port=settings.port, log_level=settings.log_level
-    )
+    try:  # (raises the soft RLIMIT_NOFILE; fails when it leaves no room for clients)
+        config = server_config(
+            app, host=settings.host, port=settings.port, log_level=settings.log_level
+        )
+    except ConfigError as e:
+        print(f"kvrouter: {e}", file=sys.stderr)
+        return 2
     server = _Server(config, app, settings.server.drain_grace_s)
     try:
         _run(server.serve())

@@ -13,20 +13,31 @@ What FastAPI's error middleware gave the hot paths is :func:`_guarded`: an unexp
 logged and answered 500 in OpenAI's error shape while nothing was sent, else re-raised so the
 server cuts the connection (a truncated answer, never a fake end). Each hot endpoint answers its
 own :class:`router.errors.RouterError`.
+
+Two request shapes are settled here, ahead of every path (RFC 9112), for both of uvicorn's parsers:
+
+- an absolute-form target (``POST http://host/route``, §3.2.2: a server MUST accept it) is served
+  as its path; h11 hands it over whole (httptools already cuts it). The authority in it is
+  dropped: nothing in the router connects by a client's say-so;
+- a request with both ``Content-Length`` and ``Transfer-Encoding`` (§6.1: request smuggling
+  behind a proxy that frames by the length) is answered 400 with ``Connection: close``, and the
+  server closes the connection after that answer: whatever its body hid is never read as a
+  request. (httptools refuses such a request itself: uvicorn's own plain-text 400, then close.)
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
+from urllib.parse import unquote
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from router.edge.bodies import error_response
-from router.errors import MethodNotAllowed, RouterError
+from router.errors import BadRequest, MethodNotAllowed, RouterError
 
-__all__ = ["RouterApp"]
+__all__ = ["RouterApp", "origin_form"]
 
 log = logging.getLogger("kvrouter.app")
 
@@ -45,9 +56,22 @@ class RouterApp:
         self._app = wrap(self._dispatch)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and not scope["path"].startswith("/"):
+            scope = origin_form(scope)  # before the access log, tracing and the dispatch
         await self._app(scope, receive, send)
 
     async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and _length_and_chunked(scope["headers"]):
+            kv = getattr(self.state, "kv", None)
+            if kv is not None:
+                kv.metrics.rejected.labels("400").inc()
+            bad = BadRequest(
+                "a request may not carry both Content-Length and Transfer-Encoding "
+                "(RFC 9112 section 6.1): the connection is closed"
+            )
+            # uvicorn closes the connection after an answer that says so, the body unread
+            await _answer(scope, receive, send, bad, {"connection": "close"})
+            return
         endpoint = self._hot.get(scope["path"]) if scope["type"] == "http" else None
         if endpoint is None:
             await self.api(scope, receive, send)
@@ -57,6 +81,29 @@ class RouterApp:
             await _answer(scope, receive, send, err, {"allow": "POST"})
         else:
             await _guarded(endpoint, scope, receive, send)
+
+
+def origin_form(scope: Scope) -> Scope:
+    """``scope`` with an absolute-form target (``http://host:port/path``, any userinfo) cut to
+    its path (``/`` when it has none), ``raw_path`` and ``path`` alike; any other target that
+    does not start with ``/`` (``*``, another scheme) is left to answer 404."""
+    raw: bytes = scope.get("raw_path") or scope["path"].encode("latin-1")
+    scheme, sep, rest = raw.partition(b"://")
+    if not sep or scheme.lower() not in (b"http", b"https"):
+        return scope
+    slash = rest.find(b"/")
+    raw_path = rest[slash:] if slash >= 0 else b"/"
+    return {**scope, "raw_path": raw_path, "path": unquote(raw_path.decode("latin-1"))}
+
+
+def _length_and_chunked(headers: Iterable[tuple[bytes, bytes]]) -> bool:
+    length = chunked = False
+    for name, _ in headers:  # (lower case in an ASGI scope)
+        if name == b"content-length":
+            length = True
+        elif name == b"transfer-encoding":
+            chunked = True
+    return length and chunked
 
 
 async def _answer(

@@ -277,7 +277,7 @@ class RouterMetrics:
             "counter",
             "kvrouter_http_connections_closed",
             "client connections the router closed itself (head_timeout: no complete request head "
-            "within server.head_timeout_s)",
+            "within server.head_timeout_s; connection_cap: past the connection cap, after a 503)",
             ["reason"],
             registry=r,
         )
