@@ -37,7 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="bind port, 0 = any free port (default 8000)")
     p.add_argument("--block-size", type=int, help="router block size in tokens (default 16)")
-    p.add_argument("--admin-key", help="bearer key required by POST/DELETE /workers")
+    p.add_argument(
+        "--admin-key",
+        help="bearer key required by /workers; visible to every local user in ps: prefer "
+        "KVROUTER_ADMIN_KEY or --admin-key-file",
+    )
+    p.add_argument("--admin-key-file", help="file holding the admin key (a mounted Secret)")
+    p.add_argument("--api-keys-file", help="file of client keys, one a line (# comments)")
     p.add_argument("--tokenizer", help="byte | hf:<dir> | worker (default byte)")
     p.add_argument("--log-level", help="critical|error|warning|info|debug (default info)")
     p.add_argument("--log-format", choices=("text", "json"), help="log lines (default text)")
@@ -58,6 +64,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         "port": args.port,
         "block_size": args.block_size,
         "admin_key": args.admin_key,
+        "admin_key_file": args.admin_key_file,
+        "api_keys_file": args.api_keys_file,
         "tokenizer": args.tokenizer,
         "log_level": args.log_level,
         "log_format": args.log_format,
@@ -128,6 +136,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         for handler in logging.getLogger().handlers:
             handler.setFormatter(JsonFormatter())
+    if args.admin_key:
+        log.warning(
+            "--admin-key is visible to every local user in ps: give the admin key in "
+            "KVROUTER_ADMIN_KEY or a file (--admin-key-file, admin_key_file) instead"
+        )
     # httpx logs every health check at INFO: keep it for debugging only
     if settings.log_level not in ("debug", "trace"):
         logging.getLogger("httpx").setLevel(logging.WARNING)

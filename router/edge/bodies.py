@@ -3,7 +3,9 @@ answer, and reading a body under the configured size limit.
 
 Invalid JSON → 400; valid JSON of the wrong shape → 422 naming the field (``token_ids[3]: expected
 `int`, got `str```); a body over ``proxy.max_body_bytes`` → 413, enforced while reading (a client
-may lie in, or omit, ``Content-Length``).
+may lie in, or omit, ``Content-Length``). What msgspec leaves unchecked (bad UTF-8 in a skipped
+field, nesting past :data:`router.edge.bodycheck.MAX_DEPTH`, a field given twice) → 400, by
+:mod:`router.edge.bodycheck`. Every decoder here raises only :class:`router.errors.RouterError`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from starlette.responses import Response
 
 from indexer.hashing import chain_hashes
 from indexer.hashing import chain_hashes_json as _hash_json
+from router.edge.bodycheck import check_shape, check_utf8, too_deep
 from router.errors import (
     BadRequest,
     PayloadTooLarge,
@@ -126,7 +129,7 @@ class RouteOut(msgspec.Struct, omit_defaults=True, gc=False):
     route_id: str | None = None
 
 
-_decoders: dict[type, msgspec.json.Decoder[Any]] = {}
+_decoders: dict[type, tuple[msgspec.json.Decoder[Any], frozenset[str]]] = {}
 # token ids are non-negative and fit the engines' int64: anything else is the client's error
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 _decode_token_list = msgspec.json.Decoder(list[TokenId]).decode
@@ -179,6 +182,7 @@ def error_response(
 
 
 _route_decoder = msgspec.json.Decoder(RouteRequest)
+_route_fields = frozenset(RouteRequest.__struct_fields__)
 
 
 def decode_route(body: bytes) -> tuple[RouteRequest, JsonTokens | None]:
@@ -187,16 +191,20 @@ def decode_route(body: bytes) -> tuple[RouteRequest, JsonTokens | None]:
     A flat token array is cut out of the body first and only the rest is decoded, so the ~25 KB
     of a 4,096-token request are walked once, by the hash. Anything unusual (no C extension,
     nested values, the key twice, a body the cut leaves invalid) takes the whole-body decode,
-    which also words the error."""
+    which also words the error. The array itself is checked when its tokens are read (it holds
+    no string, array or object: the C scanner cut it out only then)."""
     span = _array_span(body, b"token_ids") if _array_span is not None else None
     if span is not None:
         start, end = span
+        rest = body[:start] + b"null" + body[end:]
         try:
-            req = _route_decoder.decode(body[:start] + b"null" + body[end:])
-        except msgspec.MsgspecError:
-            pass
+            req = _route_decoder.decode(rest)
+        except (msgspec.MsgspecError, UnicodeDecodeError, RecursionError):
+            pass  # the whole-body decode words it
         else:
             if memoryview(req.token_ids) == b"null":
+                check_utf8(rest)
+                check_shape(rest, _route_fields)
                 return req, JsonTokens(body[start:end])
     req = decode(body, RouteRequest)
     raw = req.token_ids
@@ -206,11 +214,16 @@ def decode_route(body: bytes) -> tuple[RouteRequest, JsonTokens | None]:
 
 
 def decode(body: bytes, typ: type[T]) -> T:
-    dec = _decoders.get(typ)
-    if dec is None:
-        dec = _decoders[typ] = msgspec.json.Decoder(typ)
+    """``body`` as ``typ`` (a Struct), checked (:mod:`router.edge.bodycheck`): raises
+    :class:`BadRequest` or :class:`UnprocessableEntity`, nothing else."""
+    known = _decoders.get(typ)
+    if known is None:
+        fields = frozenset(getattr(typ, "__struct_fields__", ()))
+        known = _decoders[typ] = (msgspec.json.Decoder(typ), fields)
+    dec, fields = known
+    check_utf8(body)
     try:
-        return dec.decode(body)
+        obj = dec.decode(body)
     except msgspec.ValidationError as e:
         key, problem = describe_validation_error(e)
         if key == "<top level>":
@@ -219,7 +232,9 @@ def decode(body: bytes, typ: type[T]) -> T:
     except (msgspec.DecodeError, UnicodeDecodeError) as e:
         raise BadRequest(f"request body is not valid JSON: {e}") from e
     except RecursionError as e:
-        raise BadRequest("request body is nested too deeply") from e
+        raise too_deep() from e
+    check_shape(body, fields)
+    return obj
 
 
 if sys.version_info >= (3, 11):
@@ -269,7 +284,9 @@ async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> by
 
 
 def completion_tokens_source(prompt: Any) -> str | list[int] | None:
-    """The prompt to route on: the string or token list, or the first of a batch."""
+    """The prompt to route on: the string or token list, or the first of a batch. The whole
+    prompt is checked: a string, a list of strings, a token list or a list of token lists, each
+    token id an ``int`` from 0 to 2**63-1 (as ``token_ids`` of ``/route``)."""
     if prompt is None:
         return None
     if isinstance(prompt, str):
@@ -278,23 +295,56 @@ def completion_tokens_source(prompt: Any) -> str | list[int] | None:
         if not prompt:
             return None
         first = prompt[0]
-        if isinstance(first, int) and not isinstance(first, bool):
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                raise UnprocessableEntity("prompt: a token list must hold only integers")
-            return prompt
         if isinstance(first, str):
+            for i, p in enumerate(prompt):
+                if not isinstance(p, str):
+                    raise UnprocessableEntity(f"prompt[{i}]: expected a string, as prompt[0]")
             return first
         if isinstance(first, list):
-            return completion_tokens_source(first)
+            for i, p in enumerate(prompt):
+                if not isinstance(p, list):
+                    raise UnprocessableEntity(f"prompt[{i}]: expected a token list, as prompt[0]")
+                _check_token_list(p, f"prompt[{i}]")
+            return first or None
+        _check_token_list(prompt, "prompt")
+        return prompt
     raise UnprocessableEntity(
         "prompt: expected a string, a list of strings, a token list or a list of token lists"
     )
 
 
+_MAX_TOKEN_ID = (1 << 63) - 1
+
+
+def _check_token_list(tokens: list[Any], where: str) -> None:
+    if all(type(t) is int for t in tokens) and (
+        not tokens or (min(tokens) >= 0 and max(tokens) <= _MAX_TOKEN_ID)
+    ):
+        return
+    for i, t in enumerate(tokens):
+        if type(t) is not int or not 0 <= t <= _MAX_TOKEN_ID:
+            raise UnprocessableEntity(
+                f"{where}[{i}]: expected a token id, an `int` from 0 to 2**63-1"
+            )
+
+
 def check_messages(messages: list[dict[str, Any]]) -> None:
+    """The parts of chat messages the router reads: ``role`` a string; ``content`` a string or a
+    list of parts, each a string or an object, a ``text`` part's ``text`` a string."""
     for i, m in enumerate(messages):
         if not isinstance(m.get("role"), str):
             raise UnprocessableEntity(f"messages[{i}].role: expected `str`")
         content = m.get("content")
-        if content is not None and not isinstance(content, (str, list)):
+        if content is None or isinstance(content, str):
+            continue
+        if not isinstance(content, list):
             raise UnprocessableEntity(f"messages[{i}].content: expected a string or a list")
+        for j, part in enumerate(content):
+            if isinstance(part, str):
+                continue
+            if not isinstance(part, dict):
+                raise UnprocessableEntity(
+                    f"messages[{i}].content[{j}]: expected a string or an object"
+                )
+            if part.get("type") == "text" and not isinstance(part.get("text"), str):
+                raise UnprocessableEntity(f"messages[{i}].content[{j}].text: expected `str`")

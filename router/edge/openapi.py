@@ -46,7 +46,11 @@ def _answer(description: str, name: str | None = None) -> dict[str, Any]:
 
 
 _ERRORS = {
-    "400": _answer("malformed JSON or a request the router cannot place", "ErrorBody"),
+    "400": _answer(
+        "malformed JSON (also: not UTF-8, nested past 128 levels, a field given twice) or a "
+        "request the router cannot place",
+        "ErrorBody",
+    ),
     "401": _answer("an API key is configured and the request lacks it", "ErrorBody"),
     "413": _answer("body over proxy.max_body_bytes", "ErrorBody"),
     "422": _answer("valid JSON of the wrong shape; the message names the field", "ErrorBody"),

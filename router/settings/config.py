@@ -21,6 +21,7 @@ from indexer.events import DEFAULT_TIER_WEIGHTS
 from router.errors import ConfigError
 from router.errors import config_check as _check
 from router.settings.k8s import DiscoverySettings, KubernetesSettings
+from router.settings.keyfiles import read_key_files
 from router.settings.scoring import ScoringSettings
 
 __all__ = [
@@ -198,8 +199,10 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     block_size: int = 16
     max_index_entries: int | None = None
     admin_key: str | None = None
+    admin_key_file: str | None = None  # read at start into admin_key (router.settings.keyfiles)
     admin_open: bool = False
     api_keys: list[str] = msgspec.field(default_factory=list)
+    api_keys_file: str | None = None  # read at start into api_keys
     tokenizer: str = "byte"
     log_level: str = "info"
     log_format: str = "text"
@@ -296,6 +299,9 @@ def parse_worker_spec(spec: str) -> dict[str, Any]:
     return out
 
 
+_STRING_KEYS = ("admin_key", "admin_key_file", "api_keys_file", "host", "tokenizer")
+
+
 def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
     """``KVROUTER_PORT=9000``, ``KVROUTER_SCORING__OVERLAP_WEIGHT=2``: values are YAML scalars."""
     out: dict[str, Any] = {}
@@ -307,7 +313,7 @@ def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
             parsed = yaml.safe_load(value) if value != "" else ""
         except yaml.YAMLError as e:
             raise ConfigError(f"invalid config: env {name} is not a YAML value: {e}") from e
-        if path[-1] in ("admin_key", "host", "tokenizer") and parsed is not None:
+        if path[-1] in _STRING_KEYS and parsed is not None:
             parsed = str(value)
         d = out
         for p in path[:-1]:
@@ -338,6 +344,8 @@ def load_settings(
     """YAML file (if any), then env, then explicit overrides and ``--worker`` specs.
 
     A ``--worker`` whose id matches a configured worker replaces it; others are appended.
+    ``admin_key_file`` and ``api_keys_file`` are read here, at start, into ``admin_key`` and
+    ``api_keys`` (:mod:`router.settings.keyfiles`).
     """
     env = os.environ if environ is None else environ
     raw: dict[str, Any] = {}
@@ -367,4 +375,4 @@ def load_settings(
             workers = [x for x in workers if not (isinstance(x, dict) and x.get("id") == w["id"])]
             workers.append(w)
         raw["workers"] = workers
-    return _convert(raw)
+    return _convert(read_key_files(raw))

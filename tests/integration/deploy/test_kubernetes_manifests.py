@@ -124,7 +124,9 @@ def test_the_schema_check_rejects_a_wrong_manifest() -> None:
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_overlay_composes_into_a_router_that_discovers_its_workers(overlay: str) -> None:
+def test_overlay_composes_into_a_router_that_discovers_its_workers(
+    overlay: str, tmp_path: Path
+) -> None:
     objs = compose(K8S / "overlays" / overlay)
     for o in objs:
         kubernetes_validate.validate(o, KUBE_VERSION, strict=True)
@@ -149,19 +151,31 @@ def test_overlay_composes_into_a_router_that_discovers_its_workers(overlay: str)
         o = find(objs, kind, "kvrouter")
         sel = o["spec"]["selector"] if field else o["spec"]["selector"]["matchLabels"]
         assert sel.items() <= labels.items(), f"the {kind} selects no router pod"
-    # the admin key comes from the Secret, which has that key
-    (env,) = [e for e in c["env"] if e["name"] == "KVROUTER_ADMIN_KEY"]
-    ref = env["valueFrom"]["secretKeyRef"]
-    assert ref["key"] in find(objs, "Secret", ref["name"])["stringData"]
+    # the admin key is never on the command line (ps) nor in the environment
+    assert not any(a.startswith("--admin-key") for a in c["args"])
+    assert not any(
+        e["name"] in ("KVROUTER_ADMIN_KEY", "KVROUTER_API_KEYS") for e in c.get("env", [])
+    )
     # the config file mounted from the ConfigMap is a valid router config
     (vol,) = [v for v in spec["volumes"] if "configMap" in v]
     (mount,) = [m for m in c["volumeMounts"] if m["name"] == vol["name"]]
     cm = find(objs, "ConfigMap", vol["configMap"]["name"])
     config_path = c["args"][c["args"].index("--config") + 1]
     assert config_path == f"{mount['mountPath']}/router.yaml"
-    raw = cm["data"]["router.yaml"]
-    env_vars = {e["name"]: e.get("value", "from-a-secret") for e in c["env"]}
-    settings = load_settings(environ=env_vars, overrides=yaml.safe_load(raw))
+    raw = yaml.safe_load(cm["data"]["router.yaml"])
+    # admin_key_file is the Secret's key, mounted from its volume, readable by the router's user
+    key_file = Path(raw["admin_key_file"])
+    (svol,) = [v for v in spec["volumes"] if "secret" in v]
+    (smount,) = [m for m in c["volumeMounts"] if m["name"] == svol["name"]]
+    assert smount["readOnly"] and key_file.parent == Path(smount["mountPath"])
+    (item,) = [i for i in svol["secret"]["items"] if i["path"] == key_file.name]
+    secret = find(objs, "Secret", svol["secret"]["secretName"])["stringData"][item["key"]]
+    assert svol["secret"]["defaultMode"] & 0o040 and spec["securityContext"]["fsGroup"] == 10001
+    (tmp_path / key_file.name).write_text(secret + "\n")  # (the mounted file, here)
+    raw["admin_key_file"] = str(tmp_path / key_file.name)
+    env_vars = {e["name"]: e.get("value", "from-a-secret") for e in c.get("env", [])}
+    settings = load_settings(environ=env_vars, overrides=raw)
+    assert settings.admin_key == secret
     disc = settings.kubernetes.discovery
     assert disc.enabled and settings.host == "0.0.0.0"
     assert c["ports"][0]["containerPort"] == settings.port

@@ -12,7 +12,7 @@ import router.edge.bodies as api
 from indexer.hashing import namespace_seed
 from indexer.index import PrefixIndex
 from router.edge.bodies import JsonTokens, RouteRequest, decode
-from router.errors import UnprocessableEntity
+from router.errors import BadRequest, UnprocessableEntity
 
 
 def _raw(body: bytes) -> msgspec.Raw:
@@ -63,7 +63,6 @@ def test_decode_route_cuts_the_array_out_or_decodes_the_whole_body(c_path, monke
         b'{"model": "m\\"token_ids\\": [9]", "token_ids": [4, 5]}',  # the key inside a string
         b'{"x": {"token_ids": [9]}, "token_ids": [6]}',  # nested first, then the real one
         b' { "token_ids" : [ 7 , 8 ] } ',
-        b'{"token_ids": [1], "token_ids": [2]}',  # duplicate key: msgspec's choice, both ways
     ]
     for body in bodies:
         req, tokens = api.decode_route(body)
@@ -71,6 +70,13 @@ def test_decode_route_cuts_the_array_out_or_decodes_the_whole_body(c_path, monke
         assert (req.model, req.lora_name, req.account) == (full.model, full.lora_name, full.account)
         assert tokens is not None
         assert tokens.tokens() == json.loads(bytes(full.token_ids))
+    # a key given twice is refused, both ways (a worker could read the other one)
+    for body in (
+        b'{"token_ids": [1], "token_ids": [2]}',
+        b'{"token_ids": [1], "model": "a", "model": "b"}',
+    ):
+        with pytest.raises(BadRequest, match=r"duplicate key `(token_ids|model)`"):
+            api.decode_route(body)
     # no top-level array: no tokens (the caller tokenizes the prompt or says what is missing)
     for body in (b'{"prompt": "x"}', b'{"x": {"token_ids": [1]}}', b'{"token_ids": null}'):
         assert api.decode_route(body)[1] is None
