@@ -121,9 +121,7 @@ class Applier:
     def _count(self, w: RankRecord) -> None:
         """After a batch: the rank's entries into the running total, and past ``w.cap`` (where
         it nears its cap) to the evictor."""
-        n = len(w.table)
-        if w.rechunk is not None:
-            n += len(w.rechunk.blocks)
+        n = w.entries()
         self._state.counted_total += n - w.counted
         w.counted = n
         if w.cap and n > w.cap:

@@ -40,7 +40,7 @@ from indexer.index.native import remove_gpu
 from indexer.index.state import IndexState
 from indexer.index.types import MAX_TIERS, RankRecord
 
-__all__ = ["EVICT_SLACK", "Evictor", "rank_entries"]
+__all__ = ["EVICT_SLACK", "Evictor"]
 
 log = logging.getLogger("kvrouter.index")
 
@@ -51,14 +51,6 @@ RECENT_REQUESTS = 256
 EVICT_SLACK = 8192
 #: Requests the record keeps while no cap is near (the ones a rank nearing its cap folds first).
 IDLE_RECENT = 16
-
-
-def rank_entries(w: RankRecord) -> int:
-    """(engine block) entries of one rank, re-chunked ones included."""
-    n = len(w.table)
-    if w.rechunk is not None:
-        n += len(w.rechunk.blocks)
-    return n
 
 
 def _slack(cap: int) -> int:
@@ -126,7 +118,7 @@ class Evictor:
             w.capacity = by_id
         w.cap = self._trigger(w)
         self._sync_recent()
-        return self.over_cap(w) if w.cap and rank_entries(w) > w.cap else 0
+        return self.over_cap(w) if w.cap and w.entries() > w.cap else 0
 
     def rank_cap(self, w: RankRecord) -> tuple[int, str]:
         """Rank ``w``'s cap now (0: none) and where it comes from: "capacity", "default", ""."""
@@ -134,7 +126,7 @@ class Evictor:
         cap = w.capacity
         if cap is None:
             return default, "default" if default else ""
-        derived = max(1, math.ceil(sum(cap.values()) * self.margin))
+        derived = self._from_capacity(cap)
         if self._unsized(w, cap):
             if not default:
                 return 0, ""
@@ -152,13 +144,17 @@ class Evictor:
         rank holding tiers of no reported size finds its true cap in ``over_cap``."""
         if w.capacity is None:
             return _near(self.rank_default)
-        return _near(max(1, math.ceil(sum(w.capacity.values()) * self.margin)))
+        return _near(self._from_capacity(w.capacity))
+
+    def _from_capacity(self, capacity: Mapping[int, int]) -> int:
+        """The cap a reported capacity (engine blocks per tier) gives: its sum times the margin."""
+        return max(1, math.ceil(sum(capacity.values()) * self.margin))
 
     def _recount(self) -> int:
         """Count every rank's entries exactly into the running total; returns it."""
         total = 0
         for w in self._state.by_key.values():
-            w.counted = rank_entries(w)
+            w.counted = w.entries()
             total += w.counted
         self._state.counted_total = total
         return total
@@ -191,7 +187,7 @@ class Evictor:
         on; past it, its least recently used entries go, down to ``slack`` under it. Returns
         the entries evicted."""
         cap, source = self.rank_cap(w)
-        n = rank_entries(w)
+        n = w.entries()
         if not cap or n <= _near(cap):
             return 0
         self._hot.add(w)
@@ -261,7 +257,7 @@ class Evictor:
 
     def _is_near(self, w: RankRecord) -> bool:
         cap = self.rank_cap(w)[0]
-        return bool(cap) and rank_entries(w) > _near(cap)
+        return bool(cap) and w.entries() > _near(cap)
 
     def fold(self) -> None:
         """The matched requests recorded since the last fold, into marks."""
@@ -284,13 +280,13 @@ class Evictor:
 
     def _evict(self, w: RankRecord, count: int) -> int:
         """Evict about ``count`` of rank ``w``'s least recently used entries; the entries gone."""
-        before = rank_entries(w)
+        before = w.entries()
         goal = before - count
         if w.table and count > 0:
             self._sweep_table(w, count)
-        if w.rechunk is not None and rank_entries(w) > goal:
+        if w.rechunk is not None and w.entries() > goal:
             self._sweep_paged(w, goal)
-        return before - rank_entries(w)
+        return before - w.entries()
 
     def _sweep_table(self, w: RankRecord, count: int) -> None:
         table, bit, marked = w.table, w.bit, self._marked
@@ -345,8 +341,8 @@ class Evictor:
         renewed: set[EngineHash] = set()
         used: set[int] = set()  # router hashes whose mark gave a second chance
         start = 0  # blocks before it: none to evict in this sweep
-        while rank_entries(w) > goal:
-            window = list(islice(blocks, start, start + max(64, rank_entries(w) - goal)))
+        while w.entries() > goal:
+            window = list(islice(blocks, start, start + max(64, w.entries() - goal)))
             if not window:
                 break
             progress = False
@@ -365,7 +361,7 @@ class Evictor:
                 w.dups.pop(e, None)
                 rt.evict(e)
                 progress = True
-                if rank_entries(w) <= goal:
+                if w.entries() <= goal:
                     break
             if not progress:
                 start += len(window)
@@ -375,3 +371,4 @@ class Evictor:
                 marked[h] = m
             else:
                 marked.pop(h, None)
+            w.stats.cleared += 1

@@ -169,6 +169,13 @@ class RankRecord:
         self.cap_warned = False
         self.counted = 0
 
+    def entries(self) -> int:
+        """(engine block) entries of this rank, re-chunked ones included: what its cap counts."""
+        n = len(self.table)
+        if self.rechunk is not None:
+            n += len(self.rechunk.blocks)
+        return n
+
     def seed(self, lora_name: str | None, lora_id: int | None) -> int:
         """Root of this worker's chains for a LoRA adapter (one known by id only is named by it)."""
         if lora_name is None and lora_id is not None:

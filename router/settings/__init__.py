@@ -4,8 +4,8 @@ defaults) in :mod:`router.settings.scoring`, Kubernetes discovery in :mod:`route
 Every other router package reads its settings from here; this package imports only
 ``router.errors`` and the indexer's tier vocabulary."""
 
+from indexer.events import DEFAULT_TIER_WEIGHTS
 from router.settings.config import (
-    DEFAULT_TIER_WEIGHTS,
     ENV_PREFIX,
     HealthSettings,
     IndexSettings,

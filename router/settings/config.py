@@ -17,22 +17,17 @@ from typing import Any
 import msgspec
 import yaml
 
-from indexer.events import DEFAULT_TIER_WEIGHTS
 from router.errors import ConfigError
 from router.errors import config_check as _check
-from router.settings.k8s import DiscoverySettings, KubernetesSettings
+from router.settings.k8s import KubernetesSettings
 from router.settings.keyfiles import read_key_files
 from router.settings.scoring import ScoringSettings
 
 __all__ = [
-    "DEFAULT_TIER_WEIGHTS",
-    "DiscoverySettings",
     "HealthSettings",
     "IndexSettings",
-    "KubernetesSettings",
     "ProxySettings",
     "RouteSettings",
-    "ScoringSettings",
     "ServerSettings",
     "Settings",
     "SnapshotSettings",
