@@ -371,4 +371,3 @@ class Evictor:
                 marked[h] = m
             else:
                 marked.pop(h, None)
-            w.stats.cleared += 1
