@@ -131,7 +131,8 @@ class RouteOut(msgspec.Struct, omit_defaults=True, gc=False):
 
 _decoders: dict[type, tuple[msgspec.json.Decoder[Any], frozenset[str]]] = {}
 # token ids are non-negative and fit the engines' int64: anything else is the client's error
-TokenId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+MAX_TOKEN_ID = (1 << 63) - 1
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
 _decode_token_list = msgspec.json.Decoder(list[TokenId]).decode
 
 
@@ -313,16 +314,13 @@ def completion_tokens_source(prompt: Any) -> str | list[int] | None:
     )
 
 
-_MAX_TOKEN_ID = (1 << 63) - 1
-
-
 def _check_token_list(tokens: list[Any], where: str) -> None:
     if all(type(t) is int for t in tokens) and (
-        not tokens or (min(tokens) >= 0 and max(tokens) <= _MAX_TOKEN_ID)
+        not tokens or (min(tokens) >= 0 and max(tokens) <= MAX_TOKEN_ID)
     ):
         return
     for i, t in enumerate(tokens):
-        if type(t) is not int or not 0 <= t <= _MAX_TOKEN_ID:
+        if type(t) is not int or not 0 <= t <= MAX_TOKEN_ID:
             raise UnprocessableEntity(
                 f"{where}[{i}]: expected a token id, an `int` from 0 to 2**63-1"
             )
