@@ -1,9 +1,16 @@
-"""Fixtures for the torch runner tests (helpers live in ``torch_helpers``)."""
+"""Fixtures for the torch runner tests (helpers, and the device and dtypes they run on, live in
+``torch_helpers``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch_helpers import DEVICE, DTYPES, dtype_name
+
+
+def pytest_report_header(config):
+    where = torch.cuda.get_device_name(DEVICE) if torch.device(DEVICE).type == "cuda" else "cpu"
+    return f"torch runner tests on {DEVICE} ({where}), dtypes {[dtype_name(d) for d in DTYPES]}"
 
 
 @pytest.fixture(autouse=True)

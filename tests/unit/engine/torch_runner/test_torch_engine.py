@@ -5,7 +5,7 @@ without prefix caching (exact token equality)."""
 from __future__ import annotations
 
 import pytest
-from torch_helpers import TINY, prompt
+from torch_helpers import DEVICE, TINY, prompt
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
@@ -19,7 +19,8 @@ def _engine(tmp_path, **kw) -> LLMEngine:
     cfg = dict(
         runner="torch",
         model=TINY,
-        runner_options={"device": "cpu", "dtype": "float32"},
+        # float32 on every device: outputs are compared token for token
+        runner_options={"device": DEVICE, "dtype": "float32"},
         block_size=BLOCK,
         num_gpu_blocks=64,
         max_num_batched_tokens=64,

@@ -1,7 +1,8 @@
 """Loading a local Hugging Face directory the test writes with ``safetensors`` (HF naming), and the
 ``tiny-random`` spec. Tolerances (float32): the loaded model's dense logits equal the in-memory
-model's to ``atol=1e-5`` (same weights, same ops); the runner's paged prefill matches them to
-``atol=1e-4`` (different reduction order; logits here reach ~40)."""
+model's (moved to the test device) to ``atol=1e-5`` (same weights, same ops); the runner's paged
+prefill matches them to ``atol=1e-4`` (different reduction order; logits here reach ~40), looser in
+bfloat16 (``PAGED_TOL``)."""
 
 from __future__ import annotations
 
@@ -10,14 +11,23 @@ import json
 import pytest
 import torch
 from safetensors.torch import save_file
-from torch_helpers import make_runner, prompt, step
+from torch_helpers import (
+    AUTO_DTYPE,
+    DEVICE,
+    DTYPES,
+    PAGED_TOL,
+    assert_greedy_pick,
+    dtype_name,
+    make_runner,
+    prompt,
+    step,
+)
 
 from engine.torch_runner.config import ConfigError, ModelConfig, parse_model_spec
 from engine.torch_runner.loader import LoaderError, load_model
-from engine.torch_runner.model import CausalLM
+from engine.torch_runner.model import CausalLM, rope_inv_freq
 
 ATOL = 1e-5
-PAGED_ATOL = 1e-4
 
 LLAMA_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -103,15 +113,25 @@ def _write_checkpoint(root, hf_config: dict, seed: int, shards: int) -> CausalLM
     return model
 
 
+def _moved(model: CausalLM, dtype: torch.dtype) -> CausalLM:
+    """``model`` on the test device in ``dtype``, RoPE frequencies kept float32 as the loader
+    keeps them (``.to(dtype)`` rounds every buffer)."""
+    model = model.to(device=DEVICE, dtype=dtype)
+    model.inv_freq = rope_inv_freq(model.config).to(DEVICE)
+    return model
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
 @pytest.mark.parametrize(
     ("hf_config", "shards"), [(LLAMA_CONFIG, 1), (QWEN2_CONFIG, 3)], ids=["llama", "qwen2-sharded"]
 )
-def test_hf_directory_reproduces_the_in_memory_model(tmp_path, hf_config, shards):
+def test_hf_directory_reproduces_the_in_memory_model(tmp_path, hf_config, shards, dtype):
     root = tmp_path / "ckpt"
-    original = _write_checkpoint(root, hf_config, seed=11, shards=shards)
-    loaded = load_model(str(root), device="cpu", dtype="float32")
+    original = _moved(_write_checkpoint(root, hf_config, seed=11, shards=shards), dtype)
+    loaded = load_model(str(root), device=DEVICE, dtype=dtype_name(dtype))
     assert loaded.tokenizer_path == root / "tokenizer.json"
-    ids = torch.tensor(prompt(40, seed=3, vocab=hf_config["vocab_size"]))
+    assert loaded.model.lm_head.weight.device.type == torch.device(DEVICE).type
+    ids = torch.tensor(prompt(40, seed=3, vocab=hf_config["vocab_size"]), device=DEVICE)
     torch.testing.assert_close(
         loaded.model.reference_logits(ids), original.reference_logits(ids), atol=ATOL, rtol=0
     )
@@ -121,23 +141,25 @@ def test_hf_directory_reproduces_the_in_memory_model(tmp_path, hf_config, shards
         assert not torch.equal(loaded.model.lm_head.weight, loaded.model.model.embed_tokens.weight)
 
     # and through the runner: paged prefill, then greedy picks the dense argmax
-    runner = make_runner(str(root), gpu_blocks=20, host_slots=2)
+    runner = make_runner(str(root), gpu_blocks=20, host_slots=2, dtype=dtype)
     eos = hf_config["eos_token_id"]
     assert runner.eos_token_ids == (tuple(eos) if isinstance(eos, list) else (eos,))
     assert runner.tokenizer_path == str(root / "tokenizer.json")
     ref = original.reference_logits(ids)[-1]
     got = runner.forward_logits([step(1, ids.tolist(), 0, 40, list(range(10)))])[0]
-    torch.testing.assert_close(got, ref, atol=PAGED_ATOL, rtol=0)
+    torch.testing.assert_close(got, ref, **PAGED_TOL[dtype])
     out = runner.execute([step(2, ids.tolist(), 0, 40, list(range(10, 20)))])
-    assert out.tokens[2] == int(ref.argmax())
+    assert_greedy_pick(out.tokens[2], ref, dtype)
 
 
 def test_loaded_dtype_follows_the_request(tmp_path):
     root = tmp_path / "ckpt"
     _write_checkpoint(root, LLAMA_CONFIG, seed=1, shards=1)
-    loaded = load_model(str(root), device="cpu", dtype="bfloat16")
+    loaded = load_model(str(root), device=DEVICE, dtype="bfloat16")
     assert loaded.model.model.embed_tokens.weight.dtype == torch.bfloat16
-    assert load_model(str(root), device="cpu").dtype == torch.float32  # auto on CPU
+    assert loaded.model.inv_freq.dtype == torch.float32  # RoPE stays float32 whatever the weights
+    # auto: float32 on CPU, bfloat16 on CUDA
+    assert load_model(str(root), device=DEVICE).dtype == AUTO_DTYPE
 
 
 def test_bad_checkpoints_are_refused_with_the_reason(tmp_path):
@@ -146,13 +168,13 @@ def test_bad_checkpoints_are_refused_with_the_reason(tmp_path):
     state = {"model.embed_tokens.weight": torch.zeros(120, 64)}
     save_file(state, str(root / "model.safetensors"))
     with pytest.raises(LoaderError, match="missing"):
-        load_model(str(root), device="cpu")
+        load_model(str(root), device=DEVICE)
     gpt2 = {k: v for k, v in LLAMA_CONFIG.items() if k != "architectures"} | {"model_type": "gpt2"}
     (root / "config.json").write_text(json.dumps(gpt2))
     with pytest.raises(LoaderError, match="unsupported model_type"):
-        load_model(str(root), device="cpu")
+        load_model(str(root), device=DEVICE)
     with pytest.raises(LoaderError, match="neither"):
-        load_model(str(tmp_path / "nothing-here"), device="cpu")
+        load_model(str(tmp_path / "nothing-here"), device=DEVICE)
 
 
 def test_tiny_random_spec_parsing():
@@ -175,9 +197,13 @@ def test_tiny_random_spec_parsing():
 
 
 def test_same_spec_same_weights():
-    a = load_model("tiny-random:d=32,heads=2,kv_heads=1,seed=4", device="cpu").model
-    b = load_model("tiny-random:d=32,heads=2,kv_heads=1,seed=4", device="cpu").model
-    c = load_model("tiny-random:d=32,heads=2,kv_heads=1,seed=5", device="cpu").model
-    ids = torch.tensor(prompt(12))
+    spec = "tiny-random:d=32,heads=2,kv_heads=1,seed=4"
+    a = load_model(spec, device=DEVICE, dtype="float32").model
+    b = load_model(spec, device=DEVICE, dtype="float32").model
+    c = load_model(spec.replace("seed=4", "seed=5"), device=DEVICE, dtype="float32").model
+    ids = torch.tensor(prompt(12), device=DEVICE)
     assert torch.equal(a.reference_logits(ids), b.reference_logits(ids))
     assert not torch.allclose(a.reference_logits(ids), c.reference_logits(ids))
+    # drawn on the CPU generator: the same weights on every device
+    on_cpu = load_model(spec, device="cpu", dtype="float32").model.state_dict()
+    assert all(torch.equal(v.cpu(), on_cpu[k]) for k, v in a.state_dict().items())

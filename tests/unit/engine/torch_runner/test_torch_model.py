@@ -1,20 +1,19 @@
-"""The paged decoder against the plain unpaged forward (float32 CPU).
+"""The paged decoder against the plain unpaged forward, on the test device in each test dtype.
 
-Tolerance: logits agree to ``atol=1e-4`` (float32; logits are O(1..10), reduction order differs
-between the paged and dense paths by ~1e-6).
+Tolerance (``PAGED_TOL``): logits agree to ``atol=1e-4`` in float32 (logits are O(1..10),
+reduction order differs between the paged and dense paths by ~1e-6); bfloat16 (CUDA) is looser.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from torch_helpers import BLOCK, prompt
+from torch_helpers import BLOCK, DEVICE, DTYPES, PAGED_TOL, dtype_name, prompt
 
 from engine.torch_runner.attention import SeqSpan, _offset_causal_mask, build_metadata, masked_sdpa
 from engine.torch_runner.kv_pool import KVPool
 from engine.torch_runner.loader import load_model
 
-ATOL = 1e-4
 SPECS = {
     "llama": "tiny-random:layers=2,d=64,heads=4,kv_heads=2,vocab=97,seed=1",
     "qwen2": "tiny-random:layers=2,d=64,heads=4,kv_heads=1,vocab=97,arch=qwen2,seed=2",
@@ -22,41 +21,48 @@ SPECS = {
 }
 
 
-def _setup(arch: str, blocks: int = 48):
-    lm = load_model(SPECS[arch], device="cpu", dtype="float32")
+def _setup(arch: str, dtype: torch.dtype = torch.float32, blocks: int = 48):
+    lm = load_model(SPECS[arch], device=DEVICE, dtype=dtype_name(dtype))
+    assert lm.dtype == dtype
     pool = KVPool(
         lm.config,
         num_blocks=blocks,
         block_size=BLOCK,
         num_host_slots=0,
-        device="cpu",
-        dtype=torch.float32,
+        device=DEVICE,
+        dtype=dtype,
     )
     return lm.model, pool
 
 
+def _ids(ids: list[int]) -> torch.Tensor:
+    return torch.tensor(ids, device=DEVICE)
+
+
 def _run(model, pool, ids, spans, rows=None):
-    meta = build_metadata(spans, BLOCK, "cpu")
-    rows_t = None if rows is None else torch.tensor(rows)
-    return model(torch.tensor(ids), pool.layers, meta, rows_t)
+    meta = build_metadata(spans, BLOCK, DEVICE)
+    rows_t = None if rows is None else _ids(rows)
+    return model(_ids(ids), pool.layers, meta, rows_t)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
 @pytest.mark.parametrize("arch", list(SPECS))
-def test_full_prefill_matches_dense_forward_at_every_position(arch):
-    model, pool = _setup(arch)
+def test_full_prefill_matches_dense_forward_at_every_position(arch, dtype):
+    model, pool = _setup(arch, dtype)
     ids = prompt(37, seed=1)
-    ref = model.reference_logits(torch.tensor(ids))
+    ref = model.reference_logits(_ids(ids))
     table = [7, 3, 30, 11, 2, 9, 20, 21, 22, 23]  # scattered blocks: paging must not matter
     got = _run(model, pool, ids, [SeqSpan(0, 37, table)], rows=list(range(37)))
-    torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(got, ref, **PAGED_TOL[dtype])
     written = pool.gpu.abs().sum(dim=(0, 1, 3, 4, 5)) > 0
     assert written.nonzero().flatten().tolist() == sorted(table)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
 @pytest.mark.parametrize("arch", list(SPECS))
 @pytest.mark.parametrize("cached", [4, 8, 7, 13, 35])  # on and off block boundaries
-def test_prefill_over_cached_prefix_matches_full_prefill(arch, cached):
-    model, pool = _setup(arch)
+def test_prefill_over_cached_prefix_matches_full_prefill(arch, cached, dtype):
+    model, pool = _setup(arch, dtype)
     ids = prompt(36, seed=2)
     full_table = list(range(0, 9))
     full = _run(model, pool, ids, [SeqSpan(0, len(ids), full_table)])
@@ -68,13 +74,14 @@ def test_prefill_over_cached_prefix_matches_full_prefill(arch, cached):
     if start < cached:  # fill the tokens before `cached` in its own partial block first
         _run(model, pool, ids[start:cached], [SeqSpan(start, cached - start, table)])
     got = _run(model, pool, ids[cached:], [SeqSpan(cached, len(ids) - cached, table)])
-    torch.testing.assert_close(got, full, atol=ATOL, rtol=0)
-    ref = model.reference_logits(torch.tensor(ids))[-1:]
-    torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(got, full, **PAGED_TOL[dtype])
+    ref = model.reference_logits(_ids(ids))[-1:]
+    torch.testing.assert_close(got, ref, **PAGED_TOL[dtype])
 
 
-def test_mixed_batch_of_prefills_and_decodes_matches_each_alone():
-    model, pool = _setup("llama", blocks=64)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_mixed_batch_of_prefills_and_decodes_matches_each_alone(dtype):
+    model, pool = _setup("llama", dtype, blocks=64)
     a, b, c = prompt(9, seed=3), prompt(17, seed=4), prompt(22, seed=5)
     ta, tb, tc = [1, 2, 3], [10, 11, 12, 13, 14], [30, 31, 32, 33, 34, 35]
     # a and b have their prompt minus one token in the pool; c arrives with a cached prefix of 8
@@ -84,14 +91,18 @@ def test_mixed_batch_of_prefills_and_decodes_matches_each_alone():
     spans = [SeqSpan(8, 1, ta), SeqSpan(8, 14, tc), SeqSpan(16, 1, tb)]
     got = _run(model, pool, [a[-1], *c[8:], b[-1]], spans)
     for row, ids in enumerate((a, c, b)):
-        ref = model.reference_logits(torch.tensor(ids))[-1]
-        torch.testing.assert_close(got[row], ref, atol=ATOL, rtol=0)
+        ref = model.reference_logits(_ids(ids))[-1]
+        torch.testing.assert_close(got[row], ref, **PAGED_TOL[dtype])
 
 
 def test_slot_mapping_and_decode_plan():
     meta = build_metadata(
-        [SeqSpan(6, 1, [5, 9]), SeqSpan(0, 3, [4]), SeqSpan(2, 3, [7, 8])], BLOCK, "cpu"
+        [SeqSpan(6, 1, [5, 9]), SeqSpan(0, 3, [4]), SeqSpan(2, 3, [7, 8])], BLOCK, DEVICE
     )
+    # planned on the host, moved once: every index tensor the forward reads is on the device
+    tensors = [meta.slot_mapping, meta.positions, meta.last_token_idx, *meta.block_tables]
+    tensors += [meta.decode_tables, meta.decode_mask, meta.decode_tokens]
+    assert {t.device.type for t in tensors if t is not None} == {torch.device(DEVICE).type}
     assert meta.slot_mapping.tolist() == [9 * 4 + 2, 16, 17, 18, 30, 31, 32]
     assert meta.positions.tolist() == [6, 0, 1, 2, 2, 3, 4]
     assert meta.decode_idx == [0] and meta.prefill_idx == [1, 2]
@@ -100,18 +111,20 @@ def test_slot_mapping_and_decode_plan():
     ]
     assert meta.last_token_idx.tolist() == [0, 3, 6]
     with pytest.raises(ValueError, match="block table"):
-        build_metadata([SeqSpan(3, 2, [1])], BLOCK, "cpu")
+        build_metadata([SeqSpan(3, 2, [1])], BLOCK, DEVICE)
 
 
 def test_expanded_kv_heads_match_native_gqa():
-    # the CUDA path repeats KV heads for the masked kernel; it must equal SDPA's own GQA
+    # the CUDA path repeats KV heads for the masked kernel; it must equal SDPA's own GQA (on CUDA
+    # the two run different kernels: math for native GQA, memory-efficient for the expanded heads)
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 6, 5, 16, generator=gen)
-    k, v = torch.randn(2, 1, 2, 12, 16, generator=gen)
-    mask = _offset_causal_mask(5, 12, torch.device("cpu"))
+    q = torch.randn(1, 6, 5, 16, generator=gen).to(DEVICE)
+    k, v = torch.randn(2, 1, 2, 12, 16, generator=gen).to(DEVICE)
+    mask = _offset_causal_mask(5, 12, q.device)
+    atol = 1e-6 if q.device.type == "cpu" else 1e-5
     native = masked_sdpa(q, k, v, mask, 0.25)
     expanded = masked_sdpa(q, k, v, mask, 0.25, expand_kv=True)
-    torch.testing.assert_close(expanded, native, atol=1e-6, rtol=0)
+    torch.testing.assert_close(expanded, native, atol=atol, rtol=0)
     # query head 5 belongs to KV head 1 (groups of 3)
     alone = masked_sdpa(q[:, 5:6], k[:, 1:2], v[:, 1:2], mask, 0.25)
-    torch.testing.assert_close(native[:, 5:6], alone, atol=1e-6, rtol=0)
+    torch.testing.assert_close(native[:, 5:6], alone, atol=atol, rtol=0)

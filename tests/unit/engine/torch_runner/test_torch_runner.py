@@ -1,20 +1,32 @@
-"""``TorchRunner`` through the engine's runner interface (float32 CPU, tiny model).
+"""``TorchRunner`` through the engine's runner interface (tiny model, on the test device).
 
 Tolerances: last-token logits after a cached or loaded-back prefix equal a full prefill's to
-``atol=1e-4`` (float32, O(1..10) logits); greedy and seeded token sequences are compared exactly.
+``atol=1e-4`` in float32 (O(1..10) logits), looser in bfloat16 (``PAGED_TOL``, CUDA only); KV
+bytes, and greedy and seeded token sequences (float32 only), are compared exactly.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from torch_helpers import BLOCK, TINY, generate, make_runner, prompt, step
+from torch_helpers import (
+    AUTO_DTYPE,
+    BLOCK,
+    DEVICE,
+    DTYPES,
+    PAGED_TOL,
+    TINY,
+    dtype_name,
+    generate,
+    make_runner,
+    prompt,
+    step,
+)
 
 from engine.runner import RunnerError, SamplingParams
 from engine.runner import make_runner as engine_make_runner
 from engine.runner.base import RunnerConfig
 
-ATOL = 1e-4
 PROMPT_LEN = 22
 
 
@@ -36,22 +48,30 @@ def _suffix_logits(runner, ids, cached, table):
     return _logits(runner, step(2, ids, cached, len(ids) - cached, table))
 
 
-@pytest.fixture(scope="module")
-def runner():
-    return make_runner()
+@pytest.fixture(scope="module", params=DTYPES, ids=dtype_name)
+def runner(request):
+    return make_runner(dtype=request.param)
 
 
-def test_factory_builds_the_torch_runner_and_reports_its_layout(runner):
+def test_factory_builds_the_torch_runner_and_reports_its_layout():
     built = engine_make_runner(
         "torch",
-        RunnerConfig(block_size=BLOCK, num_gpu_blocks=8, num_host_slots=2, model=TINY, options={}),
+        RunnerConfig(
+            block_size=BLOCK,
+            num_gpu_blocks=8,
+            num_host_slots=2,
+            model=TINY,
+            options={"device": DEVICE},
+        ),
     )
     assert built.name == "torch" and built.vocab_size == 97
-    # 2 layers x (K, V) x 4 tokens x 2 kv heads x 16 dims x 4 bytes
-    assert built.kv_block_bytes == 2 * 2 * BLOCK * 2 * 16 * 4
-    assert built.kv_fingerprint == runner.kv_fingerprint
-    other = make_runner(TINY.replace("seed=5", "seed=6"))
-    assert other.kv_fingerprint != runner.kv_fingerprint  # other weights: never share KV
+    assert built.dtype == AUTO_DTYPE  # no dtype option: float32 on CPU, bfloat16 on CUDA
+    # 2 layers x (K, V) x 4 tokens x 2 kv heads x 16 dims x the dtype's bytes
+    assert built.kv_block_bytes == 2 * 2 * BLOCK * 2 * 16 * AUTO_DTYPE.itemsize
+    same = make_runner(dtype=AUTO_DTYPE)
+    assert built.kv_fingerprint == same.kv_fingerprint
+    other = make_runner(TINY.replace("seed=5", "seed=6"), dtype=AUTO_DTYPE)
+    assert other.kv_fingerprint != same.kv_fingerprint  # other weights: never share KV
 
 
 @pytest.mark.parametrize("cached", [8, 10, 20])  # on, off and on a block boundary
@@ -79,7 +99,7 @@ def test_prefill_after_load_back_matches_full_prefill(runner, tier, cached, tmp_
                 files.append(path)
             if tier == "EXTERNAL":
                 # the store is shared: a second engine with the same fingerprint loads it
-                target = make_runner(gpu_blocks=32, host_slots=8)
+                target = make_runner(gpu_blocks=32, host_slots=8, dtype=runner.dtype)
                 assert target.kv_fingerprint == runner.kv_fingerprint
             else:
                 runner.pool.host.zero_()  # the host copy is gone; only the files remain
@@ -91,7 +111,7 @@ def test_prefill_after_load_back_matches_full_prefill(runner, tier, cached, tmp_
         back.wait()
         assert back.done() and back.elapsed_s >= 0
     got = _suffix_logits(target, ids, cached, table)
-    torch.testing.assert_close(got, full, atol=ATOL, rtol=0)
+    torch.testing.assert_close(got, full, **PAGED_TOL[runner.dtype])
 
 
 def test_load_back_restores_exact_bytes(runner):
