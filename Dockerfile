@@ -37,7 +37,7 @@ COPY engine engine
 RUN --mount=type=secret,id=ca-bundle \
     if [ -s /run/secrets/ca-bundle ]; then export PIP_CERT=/run/secrets/ca-bundle; fi \
  && /opt/kvrouter/bin/pip wheel --no-deps --wheel-dir /wheels . \
- && /opt/kvrouter/bin/pip install "$(ls /wheels/kvrouter-*.whl)[k8s]" \
+ && /opt/kvrouter/bin/pip install "$(ls /wheels/kvrouter-*.whl)[k8s,epp]" \
  && cd / && /opt/kvrouter/bin/python -c "import indexer._chash, router._native" \
  && /opt/kvrouter/bin/pip uninstall -y wheel setuptools \
  && /opt/kvrouter/bin/python -m pip uninstall -y pip \

@@ -143,11 +143,14 @@ def metric_rows() -> list[tuple[str, str, str, str]]:
 
     from router.observe.family import Family
     from router.observe.metrics import RouterMetrics, StateCollector, register_process_metrics
+    from router.observe.replicas import ReplicaCollector, ReplicaStats
 
     registry = CollectorRegistry()
     metrics = RouterMetrics(registry)
     registry.register(StateCollector(lambda: [_sample()]))
     register_process_metrics(registry)
+    replica = ReplicaStats("0123456789abcdef", "0", dropped={"malformed": 0}, ended={"ended": 0})
+    registry.register(ReplicaCollector(lambda: replica))
     declared = {f.name: list(f.labelnames) for f in vars(metrics).values() if isinstance(f, Family)}
     rows = []
     for fam in registry.collect():

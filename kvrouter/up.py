@@ -122,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _child_env() -> dict[str, str]:
     # children import engine/router from the same tree as this kvrouter, installed or not
     env = dict(os.environ)
+    # kvrouter.gateway's (the Envoy binary): no router setting, and a router refuses an unknown
+    # KVROUTER_* variable
+    env.pop("KVROUTER_ENVOY_BIN", None)
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     env["PYTHONUNBUFFERED"] = "1"

@@ -3,7 +3,11 @@
 ``main(argv)`` takes the words after ``serve`` (``kvrouter serve --port 0`` calls
 ``main(["--port", "0"])``). Once the socket is bound it prints
 ``kvrouter router listening on http://HOST:PORT`` (with the real port when ``--port 0``) — the
-``kvrouter up`` launcher reads that line.
+``kvrouter up`` launcher reads that line. With ``--processes N`` (``server.processes``) it
+supervises N router processes on one port instead (:mod:`router.edge.processes`); each of them
+is this same ``main`` on the inherited socket (``--fd``), and prints
+``kvrouter router process I (pid P) listening on ...``. With the endpoint picker on
+(``epp.port``), a second line ``kvrouter EPP listening on HOST:PORT`` follows.
 """
 
 from __future__ import annotations
@@ -11,14 +15,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import socket
 import sys
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
+import msgspec
 import uvicorn
 
+from router.edge.processes import bind_listener, process_settings, run_processes
 from router.edge.server import RouterServer
 from router.errors import ConfigError
 from router.settings import Settings, load_settings
@@ -55,6 +62,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="id=w0,url=http://127.0.0.1:8001,events=tcp://127.0.0.1:5557"
         "[,replay=tcp://127.0.0.1:5558][,dp=2][,pool=P][,model=M] (repeatable)",
     )
+    p.add_argument("--processes", type=int, help="router processes on one port, synced (default 1)")
+    p.add_argument(
+        "--warm-from",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a peer router whose index to start from (tried before replicas.warm_from)",
+    )
+    p.add_argument(
+        "--fd", type=int, help="serve on this inherited listening socket, not --host/--port"
+    )
+    # one of --processes' processes: "I/N", and the directory of their sync endpoints
+    p.add_argument("--process", help=argparse.SUPPRESS)
+    p.add_argument("--sync-dir", help=argparse.SUPPRESS)
     return p
 
 
@@ -70,7 +91,14 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         "log_level": args.log_level,
         "log_format": args.log_format,
     }
-    return load_settings(args.config, overrides=overrides, worker_specs=args.worker)
+    if args.processes is not None:
+        overrides["server"] = {"processes": args.processes}
+    settings = load_settings(args.config, overrides=overrides, worker_specs=args.worker)
+    if args.warm_from:
+        warm = [*args.warm_from, *settings.replicas.warm_from]
+        replicas = msgspec.structs.replace(settings.replicas, warm_from=warm)
+        settings = msgspec.structs.replace(settings, replicas=replicas)
+    return settings
 
 
 class _Server(RouterServer):
@@ -79,10 +107,13 @@ class _Server(RouterServer):
     request is in flight, at most ``server.drain_grace_s``; then uvicorn's own graceful
     shutdown. A second signal stops now."""
 
-    def __init__(self, config: uvicorn.Config, app: Any, grace_s: float) -> None:
+    def __init__(
+        self, config: uvicorn.Config, app: Any, grace_s: float, process: int | None = None
+    ) -> None:
         super().__init__(config)
         self._app = app
         self._grace_s = grace_s
+        self._process = process
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         kv = getattr(self._app.state, "kv", None)
@@ -105,28 +136,67 @@ class _Server(RouterServer):
         await super().startup(sockets)
         if not self.started:
             return
-        host, port = self.config.host, self.config.port
+        urls = []
         for server in getattr(self, "servers", []):
             for sock in server.sockets or ():
-                name = sock.getsockname()
-                host, port = name[0], name[1]
+                host, port = sock.getsockname()[:2]
+                urls.append(f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}")
                 break
-            break
-        if ":" in host:
-            host = f"[{host}]"
-        print(f"kvrouter router listening on http://{host}:{port}", flush=True)
+        if not urls:
+            urls.append(f"http://{self.config.host}:{self.config.port}")
+        if self._process is None:
+            print(f"kvrouter router listening on {urls[0]}", flush=True)
+        else:  # (router.edge.processes reads it; the second URL is this process's own port)
+            who = f"kvrouter router process {self._process} (pid {os.getpid()})"
+            print(f"{who} listening on {' and '.join(urls)}", flush=True)
+        epp_port = getattr(self._app.state, "epp_port", None)
+        if epp_port is not None:  # (the real port when epp.port is 0, at any --log-level)
+            host = self._app.state.settings.epp.host
+            host = f"[{host}]" if ":" in host else host
+            print(f"kvrouter EPP listening on {host}:{epp_port}", flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    process: int | None = None
     try:
         settings = settings_from_args(args)
+        if args.process is not None:
+            settings, process = process_settings(settings, args.process, args.sync_dir or "")
+        _logging(settings, args)
+        if settings.server.processes > 1:
+            return run_processes(argv, settings)
         from router.edge.app import create_app
 
-        app = create_app(settings)
+        app = create_app(settings, process=process or 0)
     except ConfigError as e:
         print(f"kvrouter: {e}", file=sys.stderr)
         return 2
+    from router.edge.server import server_config
+
+    try:  # (raises the soft RLIMIT_NOFILE; fails when it leaves no room for clients)
+        config = server_config(
+            app, host=settings.host, port=settings.port, log_level=settings.log_level
+        )
+    except ConfigError as e:
+        print(f"kvrouter: {e}", file=sys.stderr)
+        return 2
+    sockets = None
+    if args.fd is not None:  # inherited, already listening (router.edge.processes)
+        sockets = [socket.socket(fileno=args.fd)]
+        port = settings.server.metrics_port
+        if process is not None and port is not None:  # this process's own port besides
+            sockets.append(bind_listener(settings.host, port + process if port else 0))
+    server = _Server(config, app, settings.server.drain_grace_s, process)
+    try:
+        _run(server.serve(sockets))
+    except KeyboardInterrupt:
+        pass
+    return 0 if server.started else 1
+
+
+def _logging(settings: Settings, args: argparse.Namespace) -> None:
     logging.basicConfig(
         level=settings.log_level.upper() if settings.log_level != "trace" else "DEBUG",
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -144,21 +214,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     # httpx logs every health check at INFO: keep it for debugging only
     if settings.log_level not in ("debug", "trace"):
         logging.getLogger("httpx").setLevel(logging.WARNING)
-    from router.edge.server import server_config
-
-    try:  # (raises the soft RLIMIT_NOFILE; fails when it leaves no room for clients)
-        config = server_config(
-            app, host=settings.host, port=settings.port, log_level=settings.log_level
-        )
-    except ConfigError as e:
-        print(f"kvrouter: {e}", file=sys.stderr)
-        return 2
-    server = _Server(config, app, settings.server.drain_grace_s)
-    try:
-        _run(server.serve())
-    except KeyboardInterrupt:
-        pass
-    return 0 if server.started else 1
 
 
 def _run(main: Coroutine[Any, Any, None]) -> None:

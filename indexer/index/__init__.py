@@ -8,7 +8,7 @@
 - ``evict``: ``Evictor``, the caps per rank (its KV capacity, else a default) and in all, least
   recently used first;
 - ``rechunk``: a worker's engine blocks whose page size is not the router block size;
-- ``snapshot``: the state to and from a file;
+- ``snapshot``: the state to and from a file (or bytes: a peer router's warm start);
 - ``native``: the C/Python façade of the hot loops.
 
 ``PrefixIndex`` (here) is the façade the router, the subscriber and the tools use: it holds the
@@ -25,7 +25,7 @@ from indexer.events import EngineHash, Event, EventBatch
 from indexer.index.apply import Applier
 from indexer.index.evict import Evictor
 from indexer.index.match import Matcher
-from indexer.index.snapshot import read_snapshot, write_snapshot
+from indexer.index.snapshot import decode_snapshot, encode_snapshot, read_snapshot, write_snapshot
 from indexer.index.state import IndexState
 from indexer.index.types import (
     MAX_UNKNOWN_MEDIUMS,
@@ -204,7 +204,21 @@ class PrefixIndex:
 
     @classmethod
     def restore(cls, path: str | os.PathLike[str]) -> tuple[PrefixIndex, dict[WorkerKey, int]]:
-        state, seqs = read_snapshot(path)
+        return cls._restored(*read_snapshot(path))
+
+    def snapshot_bytes(self, seqs: Mapping[WorkerKey, int]) -> bytes:
+        """What ``snapshot`` writes, as bytes (a peer router's warm start)."""
+        return encode_snapshot(self._state, seqs)
+
+    @classmethod
+    def from_snapshot_bytes(cls, data: bytes) -> tuple[PrefixIndex, dict[WorkerKey, int]]:
+        """``restore`` from ``snapshot_bytes``'s bytes; :class:`SnapshotError` otherwise."""
+        return cls._restored(*decode_snapshot(data))
+
+    @classmethod
+    def _restored(
+        cls, state: IndexState, seqs: dict[WorkerKey, int]
+    ) -> tuple[PrefixIndex, dict[WorkerKey, int]]:
         index = cls(state.block_size)
         index._attach(state)
         return index, seqs

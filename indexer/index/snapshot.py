@@ -19,7 +19,7 @@ from indexer.index.rechunk import RechunkTable
 from indexer.index.state import IndexState
 from indexer.index.types import MAX_TIERS, SnapshotError, WorkerKey
 
-__all__ = ["read_snapshot", "write_snapshot"]
+__all__ = ["decode_snapshot", "encode_snapshot", "read_snapshot", "write_snapshot"]
 
 FORMAT = "kvrouter-index-snapshot/1"
 _EH = int | bytes
@@ -68,6 +68,16 @@ def write_snapshot(
     index: IndexState, path: str | os.PathLike[str], seqs: Mapping[WorkerKey, int]
 ) -> None:
     """Write ``index`` and each worker rank's resume point; atomic (write + rename)."""
+    data = encode_snapshot(index, seqs)
+    tmp = f"{os.fspath(path)}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def encode_snapshot(index: IndexState, seqs: Mapping[WorkerKey, int]) -> bytes:
+    """``index`` and each worker rank's resume point, as the snapshot file holds them (a peer
+    router's warm start fetches the same bytes over HTTP)."""
     seq_map = dict(seqs)
     workers = []
     for key, w in index.items():
@@ -94,19 +104,28 @@ def write_snapshot(
             ws.cover = [(h, list(c)) for h, c in rc.cover.items()]
         workers.append(ws)
     snap = _Snapshot(FORMAT, HASH_VERSION, index.block_size, list(index.tier_names), workers)
-    tmp = f"{os.fspath(path)}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(_encoder.encode(snap))
-    os.replace(tmp, path)
+    return _encoder.encode(snap)
 
 
 def read_snapshot(path: str | os.PathLike[str]) -> tuple[IndexState, dict[WorkerKey, int]]:
     """A new index state from a snapshot file, and each worker rank's resume point."""
     try:
         with open(path, "rb") as f:
-            snap = _decoder.decode(f.read())
-    except (OSError, msgspec.DecodeError) as exc:
+            data = f.read()
+    except OSError as exc:
         raise SnapshotError(f"cannot read index snapshot {os.fspath(path)!r}: {exc}") from exc
+    return decode_snapshot(data, what=f"index snapshot {os.fspath(path)!r}")
+
+
+def decode_snapshot(
+    data: bytes, *, what: str = "index snapshot"
+) -> tuple[IndexState, dict[WorkerKey, int]]:
+    """A new index state from snapshot bytes (:func:`encode_snapshot`'s), and each worker
+    rank's resume point; :class:`SnapshotError` for anything else."""
+    try:
+        snap = _decoder.decode(data)
+    except msgspec.DecodeError as exc:  # (a ValidationError is a DecodeError)
+        raise SnapshotError(f"cannot read {what}: {exc}") from exc
     if snap.format != FORMAT:
         raise SnapshotError(f"snapshot format {snap.format!r} is not {FORMAT!r}")
     if snap.hash_version != HASH_VERSION:

@@ -1,4 +1,5 @@
-"""Request ids and the access log, for every request the router serves (an ASGI middleware).
+"""Request ids and the access log, for every request the router serves (an ASGI middleware;
+the EPP's ext_proc streams write the same line through :func:`write_access`).
 
 - ``x-request-id``: taken from the client when it is a plain token (≤ 128 of A-Z a-z 0-9 . _ : -),
   else generated; echoed on the answer and, through the request's headers, forwarded to the
@@ -19,10 +20,49 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-__all__ = ["AccessLog", "JsonFormatter"]
+__all__ = ["AccessLog", "JsonFormatter", "request_id", "write_access"]
 
 log = logging.getLogger("kvrouter.access")
 _ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
+
+
+def request_id(given: bytes | None) -> tuple[bytes, bool]:
+    """The client's ``x-request-id`` when it is a plain token, else a new one; and whether it
+    is new (the request does not carry it yet)."""
+    if given is not None and _ID.fullmatch(given):
+        return given, False
+    return os.urandom(16).hex().encode(), True  # as random as a uuid4, a quarter of its cost
+
+
+def write_access(
+    method: str,
+    path: str,
+    status: int,
+    worker: str,
+    nbytes: int,
+    ttfb: float | None,
+    t0: float,
+    rid: bytes,
+) -> None:
+    """The access line of one request (``t0``, ``ttfb``: on ``time.perf_counter``)."""
+    if not log.isEnabledFor(logging.INFO):
+        return
+    fields = {
+        "method": method,
+        "path": path,
+        "status": status,
+        "worker": worker,
+        "bytes": nbytes,
+        "ttfb_ms": None if ttfb is None else round(ttfb * 1e3, 3),
+        "duration_ms": round((time.perf_counter() - t0) * 1e3, 3),
+        "request_id": rid.decode("ascii"),
+    }
+    log.info(
+        "%(method)s %(path)s %(status)s worker=%(worker)s bytes=%(bytes)s "
+        "ttfb_ms=%(ttfb_ms)s duration_ms=%(duration_ms)s request_id=%(request_id)s",
+        fields,
+        extra={"access": fields},
+    )
 
 
 class AccessLog:
@@ -34,10 +74,8 @@ class AccessLog:
             await self.app(scope, receive, send)
             return
         given = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
-        if given is not None and _ID.fullmatch(given):
-            rid = given
-        else:
-            rid = os.urandom(16).hex().encode()  # as random as a uuid4, a quarter of its cost
+        rid, new = request_id(given)
+        if new:
             headers = [(k, v) for k, v in scope["headers"] if k != b"x-request-id"]
             scope = {**scope, "headers": [*headers, (b"x-request-id", rid)]}
         if not log.isEnabledFor(logging.INFO):  # no line to write: only the id to echo
@@ -70,24 +108,9 @@ class AccessLog:
         try:
             await self.app(scope, receive, send_logged)
         finally:
-            if log.isEnabledFor(logging.INFO):
-                ttfb = seen["ttfb"]
-                fields = {
-                    "method": scope.get("method", ""),
-                    "path": scope.get("path", ""),
-                    "status": seen["status"],
-                    "worker": seen["worker"],
-                    "bytes": seen["bytes"],
-                    "ttfb_ms": None if ttfb is None else round(ttfb * 1e3, 3),
-                    "duration_ms": round((time.perf_counter() - t0) * 1e3, 3),
-                    "request_id": rid.decode("ascii"),
-                }
-                log.info(
-                    "%(method)s %(path)s %(status)s worker=%(worker)s bytes=%(bytes)s "
-                    "ttfb_ms=%(ttfb_ms)s duration_ms=%(duration_ms)s request_id=%(request_id)s",
-                    fields,
-                    extra={"access": fields},
-                )
+            method, path = scope.get("method", ""), scope.get("path", "")
+            worker, nbytes, ttfb = seen["worker"], seen["bytes"], seen["ttfb"]
+            write_access(method, path, seen["status"], worker, nbytes, ttfb, t0, rid)
 
 
 def _with_id(start: Message, headers: Any, rid: bytes) -> Message:

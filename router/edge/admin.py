@@ -1,6 +1,7 @@
 """The router's endpoints other than the hot paths, as plain Starlette routes on the FastAPI app:
-the worker registry (admin key), ``/route/{id}/release``, ``/v1/models``, and the operator's
-``/health``, ``/ready`` and ``/metrics``. Each answers msgspec-encoded bytes (no dependency
+the worker registry (admin key), ``/route/{id}/release``, ``/v1/models``, the operator's
+``/health``, ``/ready`` and ``/metrics``, and the index snapshot a peer replica warm-starts from
+(``/admin/snapshot``, admin key). Each answers msgspec-encoded bytes (no dependency
 solving, no pydantic serialization); errors are :mod:`router.errors` exceptions, which the app
 turns into OpenAI's error shape.
 """
@@ -16,6 +17,7 @@ from starlette.responses import Response
 from router.edge.bodies import WorkerIn, decode, encode, read_body
 from router.errors import BadRequest, Forbidden, NotFound, require_bearer
 from router.runtime import Runtime
+from router.runtime.replicas import SNAPSHOT_TYPE
 from router.settings import WorkerConfig
 
 __all__ = [
@@ -27,6 +29,7 @@ __all__ = [
     "models",
     "ready",
     "release_route",
+    "snapshot",
 ]
 
 _JSON = "application/json"
@@ -175,3 +178,15 @@ async def metrics(request: Request) -> Response:
     state.placer.housekeeping()
     # generated on the loop: the collector reads the index, which only the loop may touch
     return Response(generate_latest(state.prom), media_type=CONTENT_TYPE_LATEST)
+
+
+async def snapshot(request: Request) -> Response:
+    """The index and each worker rank's last applied seq (``indexer.index.snapshot``'s format),
+    for a peer replica's warm start (router.runtime.replicas.warm). Admin-keyed: it lists every
+    worker's cache. Built on the loop, like every index read (its size is the index's, which
+    its caps bound)."""
+    state = _state(request)
+    _require_admin(state, request)
+    data = state.index.snapshot_bytes(state.subscriber.resume_points())
+    headers = {"x-kvrouter-block-size": str(state.index.block_size)}
+    return Response(data, media_type=SNAPSHOT_TYPE, headers=headers)

@@ -1,7 +1,8 @@
 """The router app: ``create_app(settings)`` wires the HTTP API onto a
 :class:`router.runtime.Runtime` that its lifespan builds (index, subscriber task, HTTP client,
-metrics registry, health checks, the Placer) and tears down. No module-level mutable state: two
-apps in one process share nothing.
+metrics registry, health checks, the Placer; the Envoy endpoint picker's gRPC server when
+``epp.port`` is set: ``app.state.epp``, its port ``app.state.epp_port``) and tears down. No
+module-level mutable state: two apps in one process share nothing.
 
 ``/route`` and the two OpenAI endpoints are plain ASGI endpoints that
 :class:`router.edge.dispatch.RouterApp` dispatches ahead of FastAPI; the rest
@@ -14,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import msgspec
 from fastapi import FastAPI
@@ -29,9 +32,19 @@ from router.edge.bodies import error_response
 from router.edge.dispatch import RouterApp
 from router.edge.proxy import AsgiProxy
 from router.edge.route import RouteEndpoint
-from router.errors import RouterError
+from router.errors import ConfigError, RouterError
 from router.runtime import Runtime
+from router.runtime.replicas import (
+    SNAPSHOT_PATH,
+    drop_unclaimed,
+    log_time_to_ready,
+    warm_index,
+    warm_urls,
+)
 from router.settings import Settings
+
+if TYPE_CHECKING:
+    from router.edge.epp.server import EppServer
 
 __all__ = ["create_app"]
 
@@ -73,7 +86,8 @@ async def _snapshots(state: Runtime) -> None:
         state.write_snapshot()
 
 
-def create_app(settings: Settings) -> RouterApp:
+def create_app(settings: Settings, *, process: int = 0) -> RouterApp:
+    """``process``: this process's index under ``server.processes`` (router.edge.processes)."""
     discovery = None
     if settings.kubernetes.discovery.enabled:  # workers from pods (the `k8s` extra)
         from router.fleet.discovery import KubernetesDiscovery
@@ -86,35 +100,59 @@ def create_app(settings: Settings) -> RouterApp:
 
         tracing = Tracing(settings.tracing)  # ConfigError here, at start, without the extra
 
+    epp_server: type[EppServer] | None = None
+    if settings.epp.port is not None:  # the Envoy endpoint picker (the `epp` extra)
+        try:
+            from router.edge.epp.server import EppServer
+        except ImportError as e:
+            raise ConfigError(
+                f"epp.port needs the epp extra (pip install 'kvrouter[epp]'): {e}"
+            ) from e
+        epp_server = EppServer
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state = Runtime(settings)
+        t0 = time.monotonic()
+        warm = await warm_index(settings, await warm_urls(settings))  # a peer's index, or None
+        state = Runtime(settings, warm=warm, process=process)
         if tracing is not None:
             state.trace_headers = inject_trace_headers()
         tasks: list[asyncio.Task[None]] = []
+        epp: EppServer | None = None
         try:
             await state.subscriber.start()
             for w in settings.workers:
                 await state.add_worker(w)
             configured = {w.id for w in settings.workers}
             for key in state.index.workers():  # restored ranks of workers no longer configured
-                if key[0] not in configured:  # (the subscriber task drops them: one writer)
-                    await state.subscriber.remove_worker(key[0])
-            if discovery is not None:
+                if key[0] not in configured and discovery is None:  # (the subscriber task drops
+                    await state.subscriber.remove_worker(key[0])  # them: one writer)
+            if discovery is not None:  # its pods claim restored ranks; the rest go later
                 tasks.append(asyncio.create_task(discovery.run(state), name="k8s-discovery"))
+                tasks.append(asyncio.create_task(drop_unclaimed(state), name="unclaimed-ranks"))
+            if state.replicas is not None:  # replica sync (router.runtime.replicas)
+                await state.replicas.start()
+            tasks.append(asyncio.create_task(log_time_to_ready(state, t0, warm), name="ready-log"))
             tasks.append(asyncio.create_task(state.health.run(), name="health"))
             tasks.append(asyncio.create_task(_housekeeping(state), name="housekeeping"))
             tasks.append(asyncio.create_task(state.check_tokenizer(), name="tokenizer-check"))
             if settings.snapshot.path:
                 tasks.append(asyncio.create_task(_snapshots(state), name="snapshots"))
+            if epp_server is not None:  # gRPC on this loop, next to uvicorn
+                app.state.epp = epp = epp_server(state)
+                app.state.epp_port = await epp.start()
             app.state.kv = state
             yield
         finally:
+            if epp is not None:  # first: its streams end their flights on a whole runtime
+                await epp.stop()
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             if tasks:  # it ran: keep what it learned for the next start
                 state.write_snapshot()
+            if state.replicas is not None:
+                await state.replicas.aclose()
             await state.subscriber.aclose()
             await state.upstream.aclose()
             if tracing is not None:  # flush the queued spans (blocking HTTP: off the loop)
@@ -143,6 +181,7 @@ def create_app(settings: Settings) -> RouterApp:
     add("/health", admin.health, methods=["GET"])
     add("/ready", admin.ready, methods=["GET"])
     add("/metrics", admin.metrics, methods=["GET"])
+    add(SNAPSHOT_PATH, admin.snapshot, methods=["GET"])
     if settings.server.docs:
         _add_docs(api)
     hot: dict[str, ASGIApp] = {

@@ -125,6 +125,17 @@ def openapi_document(version: str) -> dict[str, Any]:
             }
         },
         "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": _answer("")}}},
+        "/admin/snapshot": {
+            "get": {
+                "summary": "The index and each worker rank's last applied event (msgpack)",
+                "description": "What a peer replica warm-starts from (replicas.warm_from)",
+                "responses": {
+                    "200": _answer("the snapshot"),
+                    "403": _answer("no key", "ErrorBody"),
+                },
+                "security": admin,
+            }
+        },
     }
     return {
         "openapi": "3.1.0",

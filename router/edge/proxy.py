@@ -51,7 +51,7 @@ from router.fleet.upstream import ConnectError, ReadTimeout, UpstreamError, Upst
 from router.placement import Flight, cached_tokens_of
 from router.runtime import Runtime
 
-__all__ = ["AsgiProxy", "Responder", "proxy_request"]
+__all__ = ["AsgiProxy", "Responder", "proxy_request", "request_tokens"]
 
 log = logging.getLogger("kvrouter.proxy")
 
@@ -81,7 +81,9 @@ class Responder:
         raise NotImplementedError
 
 
-async def _tokens(state: Runtime, endpoint: str, body: bytes) -> tuple[Any, list[int], bool]:
+async def request_tokens(state: Runtime, endpoint: str, body: bytes) -> tuple[Any, list[int], bool]:
+    """A completions or chat body (``endpoint``) decoded, its prompt tokens and whether it
+    streams; raises :class:`RouterError` (400/422) for a bad body. The EPP decodes alike."""
     if endpoint == "completions":
         req: Any = decode(body, CompletionBody)
         src = completion_tokens_source(req.prompt)
@@ -134,7 +136,7 @@ async def proxy_request(
     s = state.settings.proxy
     if state.inflight >= s.max_inflight:
         raise TooManyRequests(f"over max_inflight ({s.max_inflight} requests in flight)")
-    req, tokens, stream = await _tokens(state, endpoint, body)
+    req, tokens, stream = await request_tokens(state, endpoint, body)
     placer = state.placer
     d = placer.place(tokens, req.model, req.lora_name, req.cache_salt)
     if not d.order:

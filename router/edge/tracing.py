@@ -38,6 +38,14 @@ class Tracing:
             from opentelemetry.sdk.trace.export import BatchSpanProcessor
             from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
         except ImportError as e:
+            if "InstrumentationScope" in str(e):
+                # xds-protos (the epp extra) ships its own, older copy of opentelemetry's protos
+                # into the same package directory: whichever pip unpacks last wins
+                raise ConfigError(
+                    "invalid config: tracing needs opentelemetry-proto's own files, which "
+                    "xds-protos (the epp extra) overwrote: pip install --force-reinstall "
+                    "--no-deps opentelemetry-proto"
+                ) from e
             raise ConfigError(
                 "invalid config: tracing.otlp_endpoint needs the otel extra: "
                 "pip install 'kvrouter[otel]'"

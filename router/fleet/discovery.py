@@ -97,7 +97,8 @@ class KubernetesDiscovery:
             }
         )
 
-    def _client(self) -> Any:
+    def client(self) -> Any:
+        """A lightkube client with this discovery's API access (the caller closes it)."""
         timeout = self._httpx.Timeout(self.settings.timeout_s)
         return self._lk.AsyncClient(
             self._config, namespace=self.settings.namespace, timeout=timeout, trust_env=False
@@ -108,7 +109,7 @@ class KubernetesDiscovery:
 
         self.sink = sink
         s = self.settings
-        client = self._client()
+        client = self.client()
         # the router's client to workers (bounded reads; pods come and go: no kept connections)
         self._http = UpstreamPool(connect_s=s.timeout_s, read_s=s.timeout_s, write_s=s.timeout_s)
         retry = asyncio.create_task(self._retry_pending(), name="k8s-discovery-retry")

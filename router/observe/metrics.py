@@ -255,7 +255,7 @@ class RouterMetrics:
         self.proxied_requests = _Family(
             "counter",
             "kvrouter_proxied_requests",
-            "proxied OpenAI requests by worker, endpoint and status",
+            "OpenAI requests proxied or placed by the endpoint picker, by worker, endpoint, status",
             ["worker", "endpoint", "status"],
             registry=r,
         )
@@ -284,7 +284,7 @@ class RouterMetrics:
         self.ttfb = _Family(
             "histogram",
             "kvrouter_time_to_first_byte_seconds",
-            "time from request to the first upstream body byte",
+            "time from request to the first upstream body byte (proxy and endpoint picker)",
             ["worker"],
             buckets=_TTFB_BUCKETS,
             registry=r,
@@ -292,7 +292,7 @@ class RouterMetrics:
         self.inflight = _Family(
             "gauge",
             "kvrouter_inflight_requests",
-            "proxied requests in flight per worker",
+            "proxied requests (and endpoint picker ones) in flight per worker",
             ["worker"],
             registry=r,
         )

@@ -5,6 +5,9 @@ placement and hands back its flight. Its users:
 
 - the OpenAI proxy (``kind="proxy"``): one flight per attempt on a worker; ``first_byte`` at the
   first upstream body byte, ``done(status)`` when the answer ends, fails or the client leaves;
+- the Envoy endpoint picker (``kind="epp"``): Envoy forwards the request to the worker picked for
+  it and streams the answer through the picker, so its flight is a proxied one too (the same
+  in-flight, TTFB and proxied metrics), ended with the answer or the ext_proc stream;
 - ``/route`` with ``account: true`` (``kind="route_account"``): the caller forwards the request
   itself, so the flight waits in :class:`RouteAccounts` until ``POST /route/{id}/release``, its
   TTL, eviction by a newer one past ``route.max_accounted``, or its worker's removal;
@@ -24,9 +27,12 @@ from collections.abc import Callable
 import msgspec
 
 from router.placement.load import LoadLedger, Ticket, TicketState
-from router.placement.ports import PlacementMetrics
+from router.placement.ports import NO_LISTENER, PlacementListener, PlacementMetrics
 
-__all__ = ["Flight", "RouteAccounts", "cached_tokens_of"]
+__all__ = ["PROXIED_KINDS", "Flight", "RouteAccounts", "cached_tokens_of"]
+
+#: flight kinds whose answer passes the router (in-flight, TTFB and proxied-by-status metrics)
+PROXIED_KINDS = frozenset({"proxy", "epp"})
 
 
 class _Usage(msgspec.Struct):
@@ -63,6 +69,7 @@ class Flight:
         "endpoint",
         "kind",
         "ledger",
+        "listener",
         "matched_blocks",
         "metrics",
         "predicted_tokens",
@@ -85,8 +92,10 @@ class Flight:
         endpoint: str = "",
         t0: float,
         timer: Callable[[], float] = time.perf_counter,
+        listener: PlacementListener = NO_LISTENER,
     ) -> None:
         self.ledger = ledger
+        self.listener = listener
         self.metrics = metrics
         self.ticket = ticket
         self.worker = ticket.key[0]
@@ -98,13 +107,14 @@ class Flight:
         self.timer = timer
         self.usage_tail = b""
         self.cached: int | None = None
-        if kind == "proxy":
+        if kind in PROXIED_KINDS:
             metrics.flight_started(self.worker)
 
     def first_byte(self) -> None:
         """The worker's first answer byte: the request's prefill is over (idempotent)."""
         if self.ticket.state is TicketState.PREFILL:
             self.ledger.first_token(self.ticket)
+            self.listener.first_token(self.ticket)
             self.metrics.first_byte(self.worker, self.timer() - self.t0)
 
     def scan(self, chunk: bytes) -> None:
@@ -123,13 +133,15 @@ class Flight:
                     self.cached = v
 
     def done(self, status: str) -> None:
-        """The end: an HTTP status or ``client_disconnect`` / ``upstream_error`` for the proxy,
+        """The end: an HTTP status or ``client_disconnect`` / ``upstream_error`` for the proxy
+        (``client_disconnect`` / ``protocol_error`` for the EPP's stream),
         ``released`` / ``expired`` / ``evicted`` / ``worker_removed`` for an accounted route."""
         if self.ticket.state is TicketState.DONE:
             return
         self.ledger.finish(self.ticket)
+        self.listener.ended(self.ticket)
         m = self.metrics
-        if self.kind == "proxy":
+        if self.kind in PROXIED_KINDS:
             m.proxied(self.worker, self.endpoint, status)
         else:
             m.account_ended(status)

@@ -26,8 +26,17 @@ from indexer.index import PrefixIndex, WorkerMatch
 from router.errors import BadRequest
 from router.placement.flight import Flight, RouteAccounts
 from router.placement.load import LoadLedger, Ticket
-from router.placement.ports import NO_METRICS, FleetView, PlacementMetrics, TokenSource, WorkerView
+from router.placement.ports import (
+    NO_LISTENER,
+    NO_METRICS,
+    FleetView,
+    PlacementListener,
+    PlacementMetrics,
+    TokenSource,
+    WorkerView,
+)
 from router.placement.predict import PredictedBlocks
+from router.placement.remote import RemoteTickets
 from router.placement.scoring import Candidate, ScoreWeights, rank
 from router.settings import Settings
 from router.types import WorkerKey
@@ -73,6 +82,7 @@ class Placer:
         fleet: FleetView,
         *,
         metrics: PlacementMetrics = NO_METRICS,
+        listener: PlacementListener = NO_LISTENER,
         clock: Callable[[], float] = time.monotonic,
         timer: Callable[[], float] = time.perf_counter,
         rng: random.Random | None = None,
@@ -81,6 +91,8 @@ class Placer:
         self.index = index
         self.fleet = fleet
         self.metrics = metrics
+        #: hears every local ticket's life (replica sync publishes it to the peers)
+        self.listener = listener
         #: every clock placement reads (prediction TTLs, accounting expiry, last routed)
         self.clock = clock
         #: latencies (decision time, time to first byte)
@@ -101,6 +113,17 @@ class Placer:
         )
         self.accounts = RouteAccounts(
             settings.route.account_ttl_s, settings.route.max_accounted, clock
+        )
+        rs = settings.replicas
+        #: what the peer replicas placed (their tickets on this ledger and predictions)
+        self.remote = RemoteTickets(
+            self.load,
+            self.predicted,
+            index.slot,
+            ttl_s=rs.ticket_ttl_s,
+            max_tickets=rs.max_remote_tickets,
+            max_hashes=rs.max_hashes,
+            clock=clock,
         )
 
     def place(
@@ -193,8 +216,8 @@ class Placer:
         return Decision(n, candidates, cand_hashes, order, cand_states, index.block_size, count)
 
     def chose(self, d: Decision, i: int, kind: str, *, committed: bool = False) -> None:
-        """Count candidate ``i`` as chosen (``kind``: proxy, route, route_account) — the one place
-        a placement is counted, whether or not it is committed."""
+        """Count candidate ``i`` as chosen (``kind``: proxy, epp, route, route_account) — the one
+        place a placement is counted, whether or not it is committed."""
         c = d.candidates[i]
         d.states[i].last_routed_at = self.clock()
         ratio = c.matched_blocks / d.n if committed and d.n else None
@@ -215,6 +238,7 @@ class Placer:
         if slot >= 0 and c.matched_blocks < len(hashes):
             self.predicted.record(hashes[c.matched_blocks :], slot)
         self.chose(d, i, kind, committed=True)
+        self.listener.committed(t)
         return t
 
     def fly(
@@ -240,6 +264,7 @@ class Placer:
             endpoint=endpoint,
             t0=t0,
             timer=self.timer,
+            listener=self.listener,
         )
 
     def drop_worker(self, worker_id: str, keys: Sequence[WorkerKey]) -> None:
@@ -250,10 +275,12 @@ class Placer:
             except KeyError:
                 pass
         self.accounts.drop_worker(worker_id)
+        self.remote.drop_worker(worker_id)
         self.load.drop_worker(worker_id)
 
     def housekeeping(self) -> None:
         """Periodic: expire accounted routes and predictions, report what is left."""
         self.accounts.expire()
+        self.remote.expire()
         self.predicted.expire()
         self.metrics.placement_state(len(self.predicted), len(self.accounts))

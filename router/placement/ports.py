@@ -1,6 +1,7 @@
 """What the placement core needs from the world around it, as protocols: the worker table it
-reads (:class:`FleetView`), the metrics it reports to (:class:`PlacementMetrics`), and a request's
-tokens when a front door holds them in another form than a list (:class:`TokenSource`).
+reads (:class:`FleetView`), the metrics it reports to (:class:`PlacementMetrics`), a request's
+tokens when a front door holds them in another form than a list (:class:`TokenSource`), and who
+hears of every committed request's life (:class:`PlacementListener`: replica sync).
 
 The core imports no I/O library; the runtime hands it the real parts (the fleet's
 :class:`router.fleet.registry.Registry`, the Prometheus-backed :class:`router.observe.metrics.
@@ -11,12 +12,25 @@ RouterMetrics`, the edge's JSON token array), and ``kvrouter replay`` or a bench
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from router.settings import WorkerConfig
 from router.types import ScrapedLoad, WorkerKey
 
-__all__ = ["NO_METRICS", "FleetView", "NoMetrics", "PlacementMetrics", "TokenSource", "WorkerView"]
+if TYPE_CHECKING:
+    from router.placement.load import Ticket
+
+__all__ = [
+    "NO_LISTENER",
+    "NO_METRICS",
+    "FleetView",
+    "NoListener",
+    "NoMetrics",
+    "PlacementListener",
+    "PlacementMetrics",
+    "TokenSource",
+    "WorkerView",
+]
 
 
 class WorkerView(Protocol):
@@ -66,7 +80,7 @@ class PlacementMetrics(Protocol):
         """One placement computed (hash, match, score) in ``seconds``."""
 
     def routed(self, worker: str, kind: str, matched_ratio: float | None) -> None:
-        """A request placed on ``worker`` (``kind``: proxy, route, route_account);
+        """A request placed on ``worker`` (``kind``: proxy, epp, route, route_account);
         ``matched_ratio`` when it was committed there."""
 
     def flight_started(self, worker: str) -> None:
@@ -115,3 +129,34 @@ class NoMetrics:
 
 
 NO_METRICS = NoMetrics()
+
+
+class PlacementListener(Protocol):
+    """Hears each local ticket's life, in order, on the placing loop: replica sync
+    (:mod:`router.runtime.replicas`) publishes it to the peer replicas, which apply it as remote
+    tickets (:class:`router.placement.remote.RemoteTickets`). It must not block or raise."""
+
+    def committed(self, ticket: Ticket) -> None:
+        """A request was committed: its ticket in the load ledger, its blocks predicted."""
+
+    def first_token(self, ticket: Ticket) -> None:
+        """Its first answer byte came back: its prefill is over."""
+
+    def ended(self, ticket: Ticket) -> None:
+        """It ended (answered, failed, released, expired...)."""
+
+
+class NoListener:
+    """Nobody listens: one router alone, the replay without sync."""
+
+    def committed(self, ticket: Ticket) -> None:
+        pass
+
+    def first_token(self, ticket: Ticket) -> None:
+        pass
+
+    def ended(self, ticket: Ticket) -> None:
+        pass
+
+
+NO_LISTENER = NoListener()

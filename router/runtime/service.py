@@ -2,9 +2,10 @@
 
 :class:`Runtime` is built by ``create_app``'s lifespan and owns the prefix index and its only
 writer (the ZMQ subscriber task), the HTTP pool to the workers, the worker table and its health
-checker, the Prometheus registry, the tokenizer, and the :class:`router.placement.Placer` that
-every front door calls. It adds and removes workers (the table, the subscriber, the placer's
-state, the metrics, together) and answers readiness. Everything runs on the event loop.
+checker, the Prometheus registry, the tokenizer, the :class:`router.placement.Placer` that
+every front door calls, and the replica sync around it when ``replicas:`` turns it on
+(:mod:`router.runtime.replicas`). It adds and removes workers (the table, the subscriber, the
+placer's state, the metrics, together) and answers readiness. Everything runs on the event loop.
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ from router.observe.metrics import (
     WorkerSample,
     register_process_metrics,
 )
+from router.observe.replicas import ReplicaCollector
 from router.placement import Placer
 from router.runtime.memory import default_index_cap
+from router.runtime.replicas import ReplicaSync, WarmIndex
 from router.runtime.tokenize import Tokenizer, byte_tokenizer_warning, make_tokenizer
 from router.settings import Settings, WorkerConfig
 from router.types import WorkerKey
@@ -64,7 +67,18 @@ def load_index(settings: Settings) -> tuple[PrefixIndex, dict[WorkerKey, int]]:
 
 
 class Runtime:
-    def __init__(self, settings: Settings, *, clock: Callable[[], float] = time.monotonic) -> None:
+    """``warm``: the index a peer replica handed over (:func:`router.runtime.replicas.
+    warm_index`), used instead of ``snapshot.path``'s; ``process``: this process's index under
+    ``server.processes``."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        warm: WarmIndex | None = None,
+        process: int = 0,
+    ) -> None:
         self.settings = settings
         self.clock = clock
         p = settings.proxy
@@ -81,7 +95,7 @@ class Runtime:
             max_body_bytes=p.max_response_bytes,
             ca_file=p.ca_file,
         )
-        self.index, seqs = load_index(settings)
+        self.index, seqs = load_index(settings) if warm is None else (warm.index, warm.seqs)
         ix = settings.index
         cap = settings.max_index_entries
         if cap is None:
@@ -115,6 +129,17 @@ class Runtime:
         self.prom.register(StateCollector(self._samples))
         register_process_metrics(self.prom)
         self.placer = Placer(settings, self.index, self.registry, metrics=self.metrics, clock=clock)
+        self.replicas: ReplicaSync | None = None  # started by the lifespan, after the subscriber
+        if settings.replicas.enabled:
+            self.replicas = ReplicaSync(
+                settings.replicas,
+                self.placer,
+                block_size=settings.block_size,
+                process=process,
+                clock=clock,
+            )
+            self.placer.listener = self.replicas
+            self.prom.register(ReplicaCollector(self.replicas.stats))
         self.tokenizer: Tokenizer = make_tokenizer(
             settings.tokenizer, client=self.upstream, pick=self.pick_tokenize_worker
         )

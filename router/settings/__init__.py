@@ -1,8 +1,9 @@
 """The router's settings (one YAML file, ``KVROUTER_*`` environment variables, flags): the
 ``Settings`` tree in :mod:`router.settings.config`, its ``scoring:`` part (and the cost formula's
-defaults) in :mod:`router.settings.scoring`, Kubernetes discovery in :mod:`router.settings.k8s`.
-Every other router package reads its settings from here; this package imports only
-``router.errors`` and the indexer's tier vocabulary."""
+defaults) in :mod:`router.settings.scoring`, Kubernetes discovery in :mod:`router.settings.k8s`,
+the Envoy endpoint picker in :mod:`router.settings.epp`, replicas in
+:mod:`router.settings.replicas`. Every other router package reads its
+settings from here; this package imports only ``router.errors`` and the indexer's tier vocabulary."""
 
 from indexer.events import DEFAULT_TIER_WEIGHTS
 from router.settings.config import (
@@ -21,7 +22,9 @@ from router.settings.config import (
     load_settings,
     parse_worker_spec,
 )
+from router.settings.epp import EppSettings
 from router.settings.k8s import DiscoverySettings, KubernetesSettings
+from router.settings.replicas import PeerDiscoverySettings, ReplicaSettings
 from router.settings.scoring import DEFAULT_CACHE_CREDIT, DEFAULT_OVERLAP_WEIGHT, ScoringSettings
 
 __all__ = [
@@ -30,10 +33,13 @@ __all__ = [
     "DEFAULT_TIER_WEIGHTS",
     "ENV_PREFIX",
     "DiscoverySettings",
+    "EppSettings",
     "HealthSettings",
     "IndexSettings",
     "KubernetesSettings",
+    "PeerDiscoverySettings",
     "ProxySettings",
+    "ReplicaSettings",
     "RouteSettings",
     "ScoringSettings",
     "ServerSettings",

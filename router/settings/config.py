@@ -19,8 +19,10 @@ import yaml
 
 from router.errors import ConfigError
 from router.errors import config_check as _check
+from router.settings.epp import EppSettings
 from router.settings.k8s import KubernetesSettings
 from router.settings.keyfiles import read_key_files
+from router.settings.replicas import ReplicaSettings
 from router.settings.scoring import ScoringSettings
 
 __all__ = [
@@ -106,9 +108,14 @@ class ServerSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     body_timeout_s: float = 30.0
     drain_grace_s: float = 30.0
     docs: bool = True
+    processes: int = 1  # replica processes on one port (router.edge.processes)
+    metrics_port: int | None = None  # with processes > 1: process i also serves on this + i
 
     def __post_init__(self) -> None:
         _check(self.http in ("h11", "httptools"), "http", "must be h11 or httptools")
+        _check(1 <= self.processes <= 256, "processes", "must be between 1 and 256")
+        ok = self.metrics_port is None or 0 <= self.metrics_port <= 65535 - self.processes
+        _check(ok, "metrics_port", "must be between 0 and 65535 - processes")
         _check(self.max_connections >= 1, "max_connections", "must be >= 1")
         _check(self.max_header_bytes >= 1024, "max_header_bytes", "must be >= 1024")
         for k in ("keep_alive_timeout_s", "head_timeout_s", "body_timeout_s"):
@@ -211,6 +218,8 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     snapshot: SnapshotSettings = msgspec.field(default_factory=SnapshotSettings)
     kubernetes: KubernetesSettings = msgspec.field(default_factory=KubernetesSettings)
     tracing: TracingSettings = msgspec.field(default_factory=TracingSettings)
+    replicas: ReplicaSettings = msgspec.field(default_factory=ReplicaSettings)
+    epp: EppSettings = msgspec.field(default_factory=EppSettings)
     workers: list[WorkerConfig] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -225,6 +234,8 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         )
         levels = ("critical", "error", "warning", "info", "debug", "trace")
         _check(self.log_level in levels, "log_level", f"must be one of {'/'.join(levels)}")
+        ok = self.server.processes == 1 or self.replicas.sync_bind is None
+        _check(ok, "replicas.sync_bind", "is for one process: server.processes syncs over ipc://")
         seen: set[str] = set()
         for i, w in enumerate(self.workers):
             _check(w.id not in seen, f"workers[{i}].id", f"duplicates worker id {w.id!r}")
@@ -294,7 +305,9 @@ def parse_worker_spec(spec: str) -> dict[str, Any]:
     return out
 
 
-_STRING_KEYS = ("admin_key", "admin_key_file", "api_keys_file", "host", "tokenizer")
+_STRING_KEYS = (
+    "admin_key", "admin_key_file", "api_keys_file", "host", "tokenizer", "tls_cert", "tls_key"
+)  # fmt: skip
 
 
 def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:

@@ -179,6 +179,11 @@ def test_overlay_composes_into_a_router_that_discovers_its_workers(
     disc = settings.kubernetes.discovery
     assert disc.enabled and settings.host == "0.0.0.0"
     assert c["ports"][0]["containerPort"] == settings.port
+    # replica sync: on, its port declared, its peers the router's own pods
+    rs = settings.replicas
+    assert rs.enabled and rs.discovery.enabled and rs.sync_bind is not None
+    assert rs.discovery.labels.items() <= labels.items()
+    assert int(rs.sync_bind.rsplit(":", 1)[1]) in {p["containerPort"] for p in c["ports"]}
     # the router may list and watch pods
     role = find(objs, "Role", "kvrouter-discovery")
     assert {"list", "watch"} <= set(role["rules"][0]["verbs"])

@@ -1,0 +1,39 @@
+"""Router replicas that place as one (docs/architecture.md §9), as glue around the pure
+placement core:
+
+- ``sync``: :class:`ReplicaSync`, the placer's listener that publishes its tickets' life on a
+  ZMQ PUB, and the one task that receives the peers' and applies them as remote tickets;
+- ``wire``: the one message shape (msgspec, msgpack) and its bounds;
+- ``peers``: peers from the router's own pods (``replicas.discovery``);
+- ``warm``: a starting replica's index from a peer's snapshot, else a cold start;
+- ``errors``: the package's exceptions.
+
+``kvrouter serve --processes N`` (:mod:`router.edge.processes`) runs N replicas on one port,
+synced through this over ``ipc://``.
+"""
+
+from router.runtime.replicas.errors import ReplicaError, SyncBindError, WarmStartError
+from router.runtime.replicas.peers import warm_urls
+from router.runtime.replicas.sync import ReplicaSync
+from router.runtime.replicas.warm import (
+    SNAPSHOT_PATH,
+    SNAPSHOT_TYPE,
+    WarmIndex,
+    drop_unclaimed,
+    log_time_to_ready,
+    warm_index,
+)
+
+__all__ = [
+    "SNAPSHOT_PATH",
+    "SNAPSHOT_TYPE",
+    "ReplicaError",
+    "ReplicaSync",
+    "SyncBindError",
+    "WarmIndex",
+    "WarmStartError",
+    "drop_unclaimed",
+    "log_time_to_ready",
+    "warm_index",
+    "warm_urls",
+]

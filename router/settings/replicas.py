@@ -1,0 +1,96 @@
+"""Settings of router replicas that place as one (``replicas:``, docs/architecture.md §9): the
+sync between replicas (:mod:`router.runtime.replicas`), how a replica finds its peers, and its
+warm start from a peer's index; part of :class:`router.settings.Settings`, kept here so each
+module stays small."""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+
+from router.errors import config_check as _check
+from router.settings.k8s import DiscoverySettings
+
+__all__ = ["PeerDiscoverySettings", "ReplicaSettings"]
+
+_ZMQ = ("tcp://", "ipc://", "inproc://")
+_TCP_PORT = re.compile(r"^tcp://.+:(\d{1,5})$")
+
+
+class PeerDiscoverySettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Peers found by listing the router's own pods (the API access of ``kubernetes.discovery``:
+    in a pod, its service account; elsewhere ``api_server`` or ``~/.kube/config``)."""
+
+    enabled: bool = False
+    namespace: str | None = None
+    labels: dict[str, str] = msgspec.field(
+        default_factory=lambda: {
+            "app.kubernetes.io/name": "kvrouter",
+            "app.kubernetes.io/component": "router",
+        }
+    )
+    api_server: str | None = None
+    interval_s: float = 10.0
+    timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        # the label and URL rules of worker discovery, checked by its own Struct
+        DiscoverySettings(labels=self.labels, api_server=self.api_server, timeout_s=self.timeout_s)
+        _check(self.interval_s > 0, "interval_s", "must be > 0")
+
+    def as_discovery(self) -> DiscoverySettings:
+        """The same API access, as :class:`router.fleet.discovery.KubernetesDiscovery` takes."""
+        return DiscoverySettings(
+            enabled=True,
+            namespace=self.namespace,
+            labels=self.labels,
+            api_server=self.api_server,
+            timeout_s=self.timeout_s,
+        )
+
+
+class ReplicaSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    sync_bind: str | None = None
+    peers: list[str] = msgspec.field(default_factory=list)
+    discovery: PeerDiscoverySettings = msgspec.field(default_factory=PeerDiscoverySettings)
+    ticket_ttl_s: float = 120.0
+    max_remote_tickets: int = 100_000
+    max_hashes: int = 8192
+    max_message_bytes: int = 1 << 20
+    heartbeat_s: float = 1.0
+    peer_timeout_s: float = 5.0
+    warm_from: list[str] = msgspec.field(default_factory=list)
+    warm_timeout_s: float = 10.0
+    max_snapshot_bytes: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        if self.sync_bind is not None:
+            ok = self.sync_bind.startswith(_ZMQ)
+            _check(ok, "sync_bind", "must be a ZMQ endpoint (tcp://0.0.0.0:5600, ipc://PATH)")
+        if self.discovery.enabled:  # a peer's endpoint is its pod IP and this same port
+            port = _TCP_PORT.search(self.sync_bind or "")
+            ok = port is not None and 0 < int(port.group(1)) < 65536
+            _check(ok, "sync_bind", "must be tcp://HOST:PORT (a fixed port) with discovery")
+        for i, p in enumerate(self.peers):
+            _check(p.startswith(_ZMQ), f"peers[{i}]", "must be a ZMQ endpoint (tcp://host:port)")
+        for i, u in enumerate(self.warm_from):
+            ok = u.startswith(("http://", "https://"))
+            _check(ok, f"warm_from[{i}]", "must be a router's http(s) URL")
+        _check(self.ticket_ttl_s > 0, "ticket_ttl_s", "must be > 0")
+        _check(self.max_remote_tickets >= 1, "max_remote_tickets", "must be >= 1")
+        _check(1 <= self.max_hashes <= 1 << 20, "max_hashes", "must be between 1 and 1048576")
+        # a message holds at most ~2 x max_hashes hashes (9 bytes each in msgpack) and a few
+        # hundred small events: the receiving socket's cap must let the largest one through
+        need = 20 * self.max_hashes + 65536
+        _check(self.max_message_bytes >= need, "max_message_bytes", f"must be >= {need}")
+        _check(self.heartbeat_s > 0, "heartbeat_s", "must be > 0")
+        ok = self.peer_timeout_s > 2 * self.heartbeat_s
+        _check(ok, "peer_timeout_s", "must be > 2 x heartbeat_s")
+        _check(self.warm_timeout_s > 0, "warm_timeout_s", "must be > 0")
+        _check(self.max_snapshot_bytes >= 1024, "max_snapshot_bytes", "must be >= 1024")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether this replica syncs at all (it publishes, subscribes, or both)."""
+        return bool(self.sync_bind or self.peers or self.discovery.enabled)

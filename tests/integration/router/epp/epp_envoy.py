@@ -1,0 +1,203 @@
+"""Envoy's side of the endpoint picker protocol, for the EPP's tests: a real ``grpc.aio`` client
+of ``ExternalProcessor/Process`` that sends what Envoy's ext_proc filter sends (request headers,
+body chunks, trailers; FULL_DUPLEX_STREAMED) and, like Envoy, forwards the request to the endpoint
+picked (over real HTTP, to the fake worker) and streams the answer back through the picker."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import grpc
+import httpx
+from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue, Metadata
+from envoy.service.ext_proc.v3.external_processor_pb2 import (
+    HttpBody,
+    HttpHeaders,
+    HttpTrailers,
+    ProcessingRequest,
+    ProcessingResponse,
+)
+from google.protobuf.struct_pb2 import Struct
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+__all__ = ["Envoy", "Picked", "body_request", "headers_request", "metric"]
+
+PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The sum of the samples ``name`` whose labels include ``labels``, in a /metrics text."""
+    return sum(
+        s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+def headers_request(
+    headers: Iterable[tuple[str, str]],
+    *,
+    end: bool = False,
+    subset: Any = None,
+    response: bool = False,
+) -> ProcessingRequest:
+    """Request (or response) headers as Envoy sends them (``raw_value``), with the subset hint
+    (a list or a comma string) in the filter metadata when given."""
+    hm = HeaderMap(headers=[HeaderValue(key=k, raw_value=v.encode()) for k, v in headers])
+    meta = Metadata()
+    if subset is not None:
+        s = Struct()
+        s.update({"x-gateway-destination-endpoint-subset": subset})
+        meta.filter_metadata["envoy.lb.subset_hint"].CopyFrom(s)
+    h = HttpHeaders(headers=hm, end_of_stream=end)
+    if response:
+        return ProcessingRequest(response_headers=h, metadata_context=meta)
+    return ProcessingRequest(request_headers=h, metadata_context=meta)
+
+
+def body_request(data: bytes, end: bool, *, response: bool = False) -> ProcessingRequest:
+    b = HttpBody(body=data, end_of_stream=end)
+    return ProcessingRequest(response_body=b) if response else ProcessingRequest(request_body=b)
+
+
+class Picked:
+    """What the picker answered for one request: the pick (or an immediate response), the body
+    it passed back, and the open stream for the response phase."""
+
+    def __init__(self, call: Any, first: ProcessingResponse) -> None:
+        self.call = call
+        self.first = first
+        self.body = b""
+        self.body_messages = 0
+        self.trailers: ProcessingResponse | None = None
+
+    @property
+    def immediate(self) -> Any:
+        return self.first.immediate_response if self.first.HasField("immediate_response") else None
+
+    @property
+    def set_headers(self) -> dict[str, str]:
+        common = self.first.request_headers.response
+        return {
+            h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers
+        }
+
+    @property
+    def removed(self) -> list[str]:
+        return list(self.first.request_headers.response.header_mutation.remove_headers)
+
+    @property
+    def endpoint(self) -> str:
+        return self.set_headers["x-gateway-destination-endpoint"]
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        from google.protobuf.json_format import MessageToDict
+
+        return MessageToDict(self.first.dynamic_metadata)
+
+    async def forward(
+        self, http: httpx.AsyncClient, path: str, body: bytes, headers: dict[str, str]
+    ) -> tuple[int, bytes, list[ProcessingResponse]]:
+        """Envoy's part after the pick: the request to the endpoint picked, its answer streamed
+        back through the picker chunk by chunk (each echo read before the next chunk)."""
+        sent = {**headers, **{k: v for k, v in self.set_headers.items()}}
+        sent = {k: v for k, v in sent.items() if k not in self.removed and not k.startswith(":")}
+        url = f"http://{self.endpoint}{path}"
+        echoes: list[ProcessingResponse] = []
+        received = b""
+        async with http.stream("POST", url, content=body, headers=sent) as resp:
+            head = [(":status", str(resp.status_code))]
+            head += [(k, v) for k, v in resp.headers.items()]
+            await self.call.write(headers_request(head, response=True))
+            echoes.append(await self.call.read())
+            async for chunk in resp.aiter_raw():
+                await self.call.write(body_request(chunk, False, response=True))
+                echo = await self.call.read()
+                echoes.append(echo)
+                received += echo.response_body.response.body_mutation.streamed_response.body
+            await self.call.write(body_request(b"", True, response=True))
+            echoes.append(await self.call.read())
+        return resp.status_code, received, echoes
+
+
+class Envoy:
+    """A channel to the picker (``creds``: TLS) and the streams Envoy would open on it."""
+
+    def __init__(
+        self, port: int, *, creds: grpc.ChannelCredentials | None = None, host: str = "127.0.0.1"
+    ) -> None:
+        target = f"{host}:{port}"
+        if creds is None:
+            self.channel = grpc.aio.insecure_channel(target)
+        else:
+            self.channel = grpc.aio.secure_channel(target, creds)
+
+    async def aclose(self) -> None:
+        await self.channel.close()
+
+    def open(self) -> Any:
+        """A new ext_proc stream (raw: the test writes and reads ProcessingRequest/Response)."""
+        return self.channel.stream_stream(
+            PROCESS,
+            request_serializer=ProcessingRequest.SerializeToString,
+            response_deserializer=ProcessingResponse.FromString,
+        )()
+
+    async def pick(
+        self,
+        path: str,
+        body: bytes | None,
+        *,
+        method: str = "POST",
+        headers: Sequence[tuple[str, str]] = (),
+        chunk: int = 16384,
+        subset: Any = None,
+        trailers: bool = False,
+    ) -> Picked:
+        """Send one request's headers and body (``None``: bodiless) and read the picker's
+        answers to them: the first, then the body's echo until its end, then the trailers'."""
+        call = self.open()
+        head = [(":method", method), (":path", path), (":authority", "gw"), *headers]
+        await call.write(headers_request(head, end=body is None, subset=subset))
+        if body is not None:
+            pieces = [body[i : i + chunk] for i in range(0, len(body), chunk)] or [b""]
+            for n, piece in enumerate(pieces):
+                await call.write(body_request(piece, n == len(pieces) - 1 and not trailers))
+            if trailers:
+                await call.write(ProcessingRequest(request_trailers=HttpTrailers()))
+        p = Picked(call, await call.read())
+        if p.immediate is not None or body is None:
+            return p
+        while True:
+            m = await call.read()
+            if m.HasField("request_trailers"):
+                p.trailers = m
+                break
+            assert m.HasField("request_body"), m
+            sr = m.request_body.response.body_mutation.streamed_response
+            p.body += sr.body
+            p.body_messages += 1
+            if sr.end_of_stream:
+                if trailers:
+                    continue
+                break
+        return p
+
+    async def health(self, service: str) -> int:
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        r = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+        return int(r.status)
+
+    async def wait_health(self, service: str, status: int, timeout: float = 10.0) -> None:
+        """Until ``service`` answers ``status`` (the picker re-reads readiness every 0.5 s);
+        fail after ``timeout`` seconds."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while (got := await self.health(service)) != status:
+            if asyncio.get_running_loop().time() > deadline:
+                raise AssertionError(f"health {service!r} is {got}, not {status}")
+            await asyncio.sleep(0.02)

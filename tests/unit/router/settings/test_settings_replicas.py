@@ -1,0 +1,58 @@
+"""``replicas:`` and ``server.processes``: defaults keep one router alone; a bad value stops the
+start naming its key."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.errors import ConfigError
+from router.settings import load_settings
+
+
+def test_sync_is_off_by_default_and_on_with_any_of_its_keys() -> None:
+    s = load_settings(environ={})
+    assert not s.replicas.enabled and s.server.processes == 1 and s.server.metrics_port is None
+    on = load_settings(environ={"KVROUTER_REPLICAS__PEERS": "[tcp://peer:5600]"})
+    assert on.replicas.enabled and on.replicas.peers == ["tcp://peer:5600"]
+    assert load_settings(
+        environ={}, overrides={"replicas": {"sync_bind": "ipc:///x"}}
+    ).replicas.enabled
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        ({"replicas": {"sync_bind": "http://x:1"}}, "replicas.sync_bind"),
+        ({"replicas": {"peers": ["x:1"]}}, "replicas.peers[0]"),
+        ({"replicas": {"warm_from": ["tcp://x:1"]}}, "replicas.warm_from[0]"),
+        ({"replicas": {"ticket_ttl_s": 0}}, "replicas.ticket_ttl_s"),
+        ({"replicas": {"max_remote_tickets": 0}}, "replicas.max_remote_tickets"),
+        ({"replicas": {"max_hashes": 100_000}}, "replicas.max_message_bytes"),
+        ({"replicas": {"heartbeat_s": 3.0}}, "replicas.peer_timeout_s"),
+        ({"replicas": {"discovery": {"enabled": True}}}, "replicas.sync_bind"),
+        (
+            {"replicas": {"discovery": {"enabled": True}, "sync_bind": "tcp://0.0.0.0:0"}},
+            "replicas.sync_bind",
+        ),
+        ({"replicas": {"discovery": {"labels": {"a b": "x"}}}}, "replicas.discovery.labels.a b"),
+        ({"server": {"processes": 0}}, "server.processes"),
+        ({"server": {"processes": 4, "metrics_port": 65533}}, "server.metrics_port"),
+        (
+            {"server": {"processes": 2}, "replicas": {"sync_bind": "tcp://0.0.0.0:5600"}},
+            "replicas.sync_bind",
+        ),
+    ],
+)
+def test_bad_values_name_their_key(overrides: dict, key: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_settings(environ={}, overrides=overrides)
+    assert f"invalid config: {key}:" in str(e.value)
+
+
+def test_discovery_with_a_fixed_sync_port_is_accepted() -> None:
+    s = load_settings(
+        environ={},
+        overrides={"replicas": {"sync_bind": "tcp://0.0.0.0:5600", "discovery": {"enabled": True}}},
+    )
+    d = s.replicas.discovery.as_discovery()
+    assert d.enabled and d.labels == s.replicas.discovery.labels
