@@ -3,11 +3,16 @@ sequence's queries to every token its block table covers.
 
 Pool layout, one tensor per layer: ``[2, num_blocks, block_size, kv_heads, head_dim]`` (K then V),
 so ``pool[0].view(-1, kv_heads, head_dim)`` addresses a token slot ``block * block_size + offset``
-directly. The portable path gathers a sequence's blocks and calls
-``torch.nn.functional.scaled_dot_product_attention``: decode-only steps run as one padded batch,
-prefill chunks run per sequence with a causal mask offset by the cached prefix. A faster CUDA path
-may replace :func:`paged_attention` later behind the same signature; none is wired in while no GPU
-kernel (Triton) is available.
+directly. The portable path gathers a sequence's blocks (one gather per layer, cut to its context)
+and calls ``torch.nn.functional.scaled_dot_product_attention``: decode-only steps run as one
+batch, prefill chunks run per sequence. Where queries are the suffix of their context (a chunk
+after a cached prefix; a decode batch whose sequences all hold the same context) the causal rule
+is ``causal_lower_right``, never a dense mask: on CUDA a mask rules out flash and the
+memory-efficient kernel takes no GQA, which leaves the math path or repeated KV heads, while the
+bias goes to flash directly (native GQA, split-KV for a few queries over a long context). Only a
+decode batch of mixed lengths still pads and masks. A faster CUDA path may replace
+:func:`paged_attention` later behind the same signature; none is wired in while no GPU kernel
+(Triton) is available.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 __all__ = [
     "AttentionMetadata",
@@ -51,8 +57,13 @@ class AttentionMetadata:
     prefill_idx: list[int]  # everything else, attended one sequence at a time
     decode_tables: torch.Tensor | None  # [Bd, max_blocks] long, padded with block 0
     decode_mask: torch.Tensor | None  # [Bd, 1, 1, max_blocks * block_size] bool
+    decode_ctx: int | None  # the decode sequences' common context length, None if they differ
+    decode_bias: CausalBias | None  # causal_lower_right(1, decode_ctx) on CUDA when it is set
     decode_tokens: torch.Tensor | None  # [Bd] long: row of each decode query in the flat batch
     last_token_idx: torch.Tensor  # [B] long: row of each sequence's last new token
+    #: per sequence: the causal bias of a multi-token chunk after a cached prefix, else None
+    #: (built once per step rather than once per layer: it is a tensor subclass)
+    prefix_bias: list[CausalBias | None]
 
     @property
     def num_tokens(self) -> int:
@@ -91,7 +102,7 @@ def build_metadata(
     decode_idx = [i for i, s in enumerate(spans) if s.num_new == 1 and s.num_computed > 0]
     prefill_idx = [i for i, s in enumerate(spans) if not (s.num_new == 1 and s.num_computed > 0)]
     dev = torch.device(device)
-    decode_tables = decode_mask = decode_tokens = None
+    decode_tables = decode_mask = decode_tokens = decode_ctx = decode_bias = None
     if decode_idx:
         width = max(len(tables_host[i]) for i in decode_idx)
         padded = torch.zeros(len(decode_idx), width, dtype=torch.long)
@@ -102,6 +113,14 @@ def build_metadata(
         decode_tables = padded.to(dev)
         decode_mask = mask[:, None, None, :].to(dev)
         decode_tokens = torch.tensor([q_starts[i] for i in decode_idx], dtype=torch.long).to(dev)
+        if len({ctx_lens[i] for i in decode_idx}) == 1:
+            decode_ctx = ctx_lens[decode_idx[0]]
+            # the bias masks nothing; it only steers CUDA to flash (see paged_attention), and
+            # elsewhere SDPA would materialize it: there no mask at all is the cheaper equal
+            decode_bias = causal_lower_right(1, decode_ctx) if dev.type == "cuda" else None
+    prefix_bias = [
+        causal_lower_right(n, ctx) if 1 < n < ctx else None for n, ctx in zip(q_lens, ctx_lens)
+    ]
     last = torch.tensor([s + n - 1 for s, n in zip(q_starts, q_lens)], dtype=torch.long)
     return AttentionMetadata(
         block_size=block_size,
@@ -116,7 +135,10 @@ def build_metadata(
         decode_tables=decode_tables,
         decode_mask=decode_mask,
         decode_tokens=decode_tokens,
+        decode_ctx=decode_ctx,
+        decode_bias=decode_bias,
         last_token_idx=last.to(dev),
+        prefix_bias=prefix_bias,
     )
 
 
@@ -128,15 +150,17 @@ def store_kv(pool: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v:
 
 
 def _gather(pool: torch.Tensor, table: torch.Tensor, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A sequence's K and V as ``[1, kv_heads, ctx, head_dim]``."""
+    """A sequence's K and V as ``[1, kv_heads, ctx, head_dim]``: one gather of whole blocks, then
+    views (the tail past ``ctx`` is cut off, not masked)."""
     kv_heads, head_dim = pool.shape[-2], pool.shape[-1]
-    kv = pool[:, table].reshape(2, -1, kv_heads, head_dim)[:, :ctx]
+    kv = pool.index_select(1, table).reshape(2, -1, kv_heads, head_dim)[:, :ctx]
     kv = kv.transpose(1, 2)  # [2, kv_heads, ctx, head_dim]
     return kv[0].unsqueeze(0), kv[1].unsqueeze(0)
 
 
 def _offset_causal_mask(q_len: int, ctx: int, device: torch.device) -> torch.Tensor:
-    """Query i (absolute position ctx - q_len + i) sees keys 0..ctx - q_len + i."""
+    """Query i (absolute position ctx - q_len + i) sees keys 0..ctx - q_len + i: the dense form of
+    ``causal_lower_right(q_len, ctx)``, which the forward uses instead."""
     rows = torch.arange(q_len, device=device)[:, None] + (ctx - q_len)
     return torch.arange(ctx, device=device)[None, :] <= rows
 
@@ -161,6 +185,68 @@ def masked_sdpa(
     )
 
 
+def _prefill(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    pool: torch.Tensor,
+    meta: AttentionMetadata,
+    i: int,
+    scale: float,
+    gqa: bool,
+) -> torch.Tensor:
+    """Sequence ``i``'s output ``[n, heads, head_dim]``, its queries attending causally to its whole
+    context."""
+    s, n, ctx = meta.q_starts[i], meta.q_lens[i], meta.ctx_lens[i]
+    qi = q[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, heads, n, hd]
+    if ctx == n:
+        ki = k_new[s : s + n].transpose(0, 1).unsqueeze(0).to(q.dtype)
+        vi = v_new[s : s + n].transpose(0, 1).unsqueeze(0).to(q.dtype)
+        o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=n > 1, scale=scale, enable_gqa=gqa)
+    else:
+        ki, vi = _gather(pool, meta.block_tables[i], ctx)
+        # lower-right causal bias, not a dense [n, ctx] mask: on CUDA (half types) this runs flash
+        # directly, with native GQA and split-KV, so a short chunk over a long prefix costs its
+        # read of the prefix, not a masked kernel over repeated KV heads (nor a cuDNN graph per
+        # shape); where flash cannot run (CPU, float32) SDPA materializes the same mask itself
+        o = F.scaled_dot_product_attention(
+            qi,
+            ki.to(q.dtype),
+            vi.to(q.dtype),
+            attn_mask=meta.prefix_bias[i],
+            scale=scale,
+            enable_gqa=gqa,
+        )
+    return o[0].transpose(0, 1)
+
+
+def _decode(
+    qd: torch.Tensor, pool: torch.Tensor, meta: AttentionMetadata, scale: float, gqa: bool
+) -> torch.Tensor:
+    """The decode sequences' output ``[Bd, heads, head_dim]`` for their queries ``qd`` (same
+    shape), each attending to its whole context."""
+    assert meta.decode_tables is not None
+    bsz, width = meta.decode_tables.shape
+    kv_heads, head_dim = pool.shape[-2], pool.shape[-1]
+    kv = pool[:, meta.decode_tables]  # [2, B, width, block_size, kv_heads, hd]
+    kv = kv.reshape(2, bsz, width * meta.block_size, kv_heads, head_dim)
+    if meta.decode_ctx is not None:
+        # every sequence holds the same context (batch 1 always): cut the padding off rather than
+        # mask it. The lower-right bias of one query masks nothing; on CUDA it sends SDPA straight
+        # to flash (native GQA, split-KV) instead of through the backend priority, which on sm90
+        # puts cuDNN first in recent torch, and cuDNN builds a graph per context length: per step
+        kv = kv[:, :, : meta.decode_ctx].transpose(2, 3)  # [2, B, kv_heads, ctx, hd]
+        k, v = kv[0].to(qd.dtype), kv[1].to(qd.dtype)
+        o = F.scaled_dot_product_attention(
+            qd.unsqueeze(2), k, v, attn_mask=meta.decode_bias, scale=scale, enable_gqa=gqa
+        )
+    else:
+        kv = kv.transpose(2, 3)
+        k, v = kv[0].to(qd.dtype), kv[1].to(qd.dtype)
+        o = masked_sdpa(qd.unsqueeze(2), k, v, meta.decode_mask, scale)
+    return o.squeeze(2)
+
+
 def paged_attention(
     q: torch.Tensor,
     k_new: torch.Tensor,
@@ -174,41 +260,19 @@ def paged_attention(
     ``k_new``/``v_new`` are this step's keys and values, already written to ``pool``; a sequence
     without a cached prefix attends to them directly instead of gathering them back.
     """
+    gqa = q.shape[1] != pool.shape[-2]
+    # a step of one prefill, or of decodes only (their rows are then 0..B-1 in order), needs no
+    # output buffer to scatter into: one copy and one or two launches less per layer
+    if not meta.decode_idx and len(meta.prefill_idx) == 1:
+        return _prefill(q, k_new, v_new, pool, meta, meta.prefill_idx[0], scale, gqa)
+    if not meta.prefill_idx:
+        return _decode(q, pool, meta, scale, gqa)
     out = torch.empty_like(q)
-    heads, head_dim = q.shape[1], q.shape[2]
-    kv_heads = pool.shape[-2]
-    gqa = heads != kv_heads
     for i in meta.prefill_idx:
-        s, n, ctx = meta.q_starts[i], meta.q_lens[i], meta.ctx_lens[i]
-        qi = q[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, heads, n, hd]
-        if ctx == n:
-            ki = k_new[s : s + n].transpose(0, 1).unsqueeze(0).to(q.dtype)
-            vi = v_new[s : s + n].transpose(0, 1).unsqueeze(0).to(q.dtype)
-            o = F.scaled_dot_product_attention(
-                qi, ki, vi, is_causal=n > 1, scale=scale, enable_gqa=gqa
-            )
-        else:
-            ki, vi = _gather(pool, meta.block_tables[i], ctx)
-            mask = _offset_causal_mask(n, ctx, q.device) if n > 1 else None
-            # CUDA's masked (memory-efficient) kernel takes no GQA: without expanding the KV heads
-            # SDPA would fall back to math and materialize [heads, n, ctx] scores
-            expand = gqa and mask is not None and q.is_cuda
-            o = masked_sdpa(qi, ki.to(q.dtype), vi.to(q.dtype), mask, scale, expand_kv=expand)
-        out[s : s + n] = o[0].transpose(0, 1)
+        s, n = meta.q_starts[i], meta.q_lens[i]
+        out[s : s + n] = _prefill(q, k_new, v_new, pool, meta, i, scale, gqa)
     if meta.decode_idx:
-        assert meta.decode_tables is not None and meta.decode_tokens is not None
+        assert meta.decode_tokens is not None
         rows = meta.decode_tokens
-        bsz, width = meta.decode_tables.shape
-        kv = pool[:, meta.decode_tables]  # [2, B, width, block_size, kv_heads, hd]
-        kv = kv.reshape(2, bsz, width * meta.block_size, kv_heads, head_dim).transpose(2, 3)
-        qd = q.index_select(0, rows).unsqueeze(2)  # [B, heads, 1, hd]
-        o = F.scaled_dot_product_attention(
-            qd,
-            kv[0].to(q.dtype),
-            kv[1].to(q.dtype),
-            attn_mask=meta.decode_mask,
-            scale=scale,
-            enable_gqa=gqa,
-        )
-        out.index_copy_(0, rows, o.squeeze(2))
+        out.index_copy_(0, rows, _decode(q.index_select(0, rows), pool, meta, scale, gqa))
     return out
