@@ -6,6 +6,7 @@ the 2-core dev machine; nothing else should be running):
 
     python benchmarks/bench_epp.py                        # 2,000 requests per path and cell
     python benchmarks/bench_epp.py --requests 300 --cpu-requests 500      # a quick look
+    python benchmarks/bench_epp.py --floor                # and the grpc.aio floor beside it
     python benchmarks/bench_epp.py --concurrency 1,8,32 --json out/bench_epp.json
     taskset -c 0 python benchmarks/bench_epp.py           # every process on one core
 
@@ -21,29 +22,30 @@ What runs, all real processes on 127.0.0.1, every port bound 0 and read back:
 - one Envoy on ``deploy/gateway/envoy.yaml`` (:func:`kvrouter.gateway.render`) with two
   listeners: ``inference`` as committed (ext_proc to the EPP, the ORIGINAL_DST cluster to the
   endpoint it names) and ``direct``, the same connection manager without ext_proc, to a STATIC
-  cluster of the same upstream.
+  cluster of the same upstream; with ``--floor`` a third, ``floor``: ``inference`` asking
+  ``epp_floor.py`` instead, a grpc.aio picker on uvloop that does the least the protocol allows.
 
 Paths: ``epp`` (client → Envoy ``inference`` → EPP → upstream), ``direct`` (client → Envoy
-``direct`` → upstream) and, for reference, ``proxy`` (client → the router's HTTP port → upstream:
-proxy mode). The client (this process, uvloop, h11 over keep-alive connections) runs
-``--concurrency`` workers; each has its own connection per path and sends one request per path
-in turn, the order rotated every round, so every path sees the same machine noise. Latency is
-the client's, from the request write to the response's last byte. Added latency is epp minus
-direct per statistic (p50, p99, mean). The issue's target: added p99 <= 1 ms.
+``direct`` → upstream), ``floor`` (``--floor``: epp with the floor's picker, so epp minus floor is
+kvrouter's own cost, the rest grpc.aio's) and, for reference, ``proxy`` (client → the router's HTTP
+port → upstream: proxy mode). The client (this process, uvloop, h11 over keep-alive connections)
+runs ``--concurrency`` workers; each has its own connection per path and sends one request per path
+in turn, the order rotated every round, so every path sees the same machine noise. Latency is the
+client's, from the request write to the response's last byte. Added latency is a path's minus
+direct's, per statistic (p50, p99, mean). The issue's target: epp's added p99 <= 1 ms.
 
 CPU: separate phases of ``--cpu-requests`` requests at concurrency 8 on one path at a time;
-``/proc/<pid>/stat`` (utime + stime, :func:`kvrouter.replay.fleet.cpu_seconds`) of the router
-and of Envoy before and after, per 1,000 requests.
+``/proc/<pid>/stat`` (utime + stime, :func:`kvrouter.replay.fleet.cpu_seconds`) of the picker
+(the router; on path floor the floor's process) and of Envoy, per 1,000 requests.
 
-What 2 cores can and cannot show: client, Envoy (2 worker threads), router and upstream share
-them, so at concurrency 1 the added latency is mostly the EPP's own work plus two loopback
-hops and their wake-ups (on this VM a cross-vCPU wake-up alone is tens of µs and noisy), and at
-concurrency 8 it is mostly queueing for a core: the EPP's CPU per request delays everyone,
-the direct path included. p99 on this VM moves by 2x between identical runs: compare paths
-within one run only. CPU seconds per request are the steadier figure (per process, not
-machine-wide). They cannot show throughput at scale: Envoy's many workers, the EPP's single
-event loop as the bottleneck, or tail latency under production concurrency — that needs more
-cores than processes.
+What 2 cores can and cannot show: client, Envoy (2 worker threads), router, upstream (and the
+floor) share them, so at concurrency 1 the added latency is mostly the EPP's own work plus two
+loopback hops and their wake-ups (on this VM a cross-vCPU wake-up alone is tens of µs and noisy),
+and at concurrency 8 it is mostly queueing for a core: the EPP's CPU per request delays everyone,
+the direct path included. p99 on this VM moves by 2x between identical runs: compare paths within
+one run only. CPU seconds per request are the steadier figure (per process, not machine-wide). They
+cannot show throughput at scale: Envoy's many workers, the EPP's single event loop as the
+bottleneck, or tail latency under production concurrency — that needs more cores than processes.
 """
 
 from __future__ import annotations
@@ -64,9 +66,12 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from epp_floor import FLOOR, add_floor  # noqa: E402
 
 MODEL = "bench"
-PATHS = ("epp", "direct", "proxy")
+PATHS = ("direct", "floor", "epp", "proxy")  # (the tables' order)
 UPSTREAM_READY = re.compile(r"upstream (http://\S+) events=(\S+)")
 
 
@@ -250,6 +255,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         children.append(router)
         router_url = router.wait_line(ROUTER_READY, 60, stop).group(1)
         epp_port = int(router.wait_line(EPP_READY, 60, stop).group(2))
+        host, port = upstream.removeprefix("http://").rsplit(":", 1)
+        floor = None
+        if args.floor:  # the least a grpc.aio picker can cost, next to ours
+            argv = [sys.executable, str(ROOT / "benchmarks" / "epp_floor.py"), "--endpoint"]
+            floor = spawn("floor", [*argv, f"{host}:{port}"], log=log)
+            children.append(floor)
+            floor_port = int(floor.wait_line(EPP_READY, 60, stop).group(2))
 
         def ready() -> bool:
             try:
@@ -258,11 +270,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 return False
 
         wait_until(ready, 60, "the router's /ready")
-        host, port = upstream.removeprefix("http://").rsplit(":", 1)
         config = render(load(), epp=("127.0.0.1", epp_port), direct=(host, int(port)))
+        if floor is not None:
+            add_floor(config, ("127.0.0.1", floor_port))
         with EnvoyProcess(config, binary=args.envoy_bin, workdir=tmp / "envoy") as envoy:
             urls = {"epp": envoy.url, "direct": envoy.listener_url("direct"), "proxy": router_url}
             cpu = {"router": router.proc.pid, "envoy": envoy.pid}
+            if floor is not None:
+                urls[FLOOR] = envoy.listener_url(FLOOR)
+                cpu[FLOOR] = floor.proc.pid
             result: dict[str, Any] = _loop(
                 measure(args, urls, lambda: {k: cpu_seconds(v) or 0.0 for k, v in cpu.items()})
             )
@@ -299,17 +315,18 @@ async def measure(
         for conc in args.concurrency:
             lat = await interleaved(urls, body, args.requests, conc)
             s = {p: stats(v) for p, v in lat.items()}
-            added = {k: s["epp"][k] - s["direct"][k] for k in ("p50", "p99", "mean")}
+            added = {p: {k: s[p][k] - s["direct"][k] for k in s[p]} for p in s if p != "direct"}
             result["latency"].append({"variant": variant, "concurrency": conc, **s, "added": added})
-        for p in PATHS:
+        for p in urls:
             c0, t0 = cpu(), time.perf_counter()
             await interleaved({p: urls[p]}, body, args.cpu_requests, 8)
             wall, c1 = time.perf_counter() - t0, cpu()
             per_k = 1000 / args.cpu_requests
+            picker = FLOOR if p == FLOOR else "router"  # (the process that picks on this path)
             result["cpu"].append({
                 "variant": variant, "path": p, "requests": args.cpu_requests,
                 "req_per_s": args.cpu_requests / wall,
-                "router_s_per_1k": (c1["router"] - c0["router"]) * per_k,
+                "router_s_per_1k": (c1[picker] - c0[picker]) * per_k,
                 "envoy_s_per_1k": (c1["envoy"] - c0["envoy"]) * per_k,
             })  # fmt: skip
     return result
@@ -327,25 +344,25 @@ def markdown(result: dict[str, Any]) -> str:
     ms = lambda x: f"{x * 1e3:.2f}"  # noqa: E731
     us = lambda x: f"{x * 1e6:+.0f}"  # noqa: E731
     lines = [
-        "Latency (ms, client-observed; added = epp - direct, µs; target: added p99 <= 1,000 µs)",
+        "Latency (ms, client-observed; added = path - direct, µs; target: epp's added p99 <= "
+        "1,000 µs; floor: the least grpc.aio picker)",
         "",
-        "| variant | conc | direct p50 / p99 / mean | epp p50 / p99 / mean | proxy p50 / p99 / mean "
-        "| added p50 | added p99 | added mean |",
-        "|---|---:|---|---|---|---:|---:|---:|",
+        "| variant | conc | path | p50 / p99 / mean | added p50 | added p99 | added mean |",
+        "|---|---:|---|---|---:|---:|---:|",
     ]
     for r in result["latency"]:
-        cells = [
-            " / ".join(ms(r[p][k]) for k in ("p50", "p99", "mean"))
-            for p in ("direct", "epp", "proxy")
-        ]
-        a = r["added"]
-        lines.append(f"| {r['variant']} | {r['concurrency']} | {' | '.join(cells)} | "
-                     f"{us(a['p50'])} | {us(a['p99'])} | {us(a['mean'])} |")  # fmt: skip
+        for p in PATHS:
+            if p in r:
+                a = r["added"].get(p)
+                add = " | ".join(us(a[k]) for k in ("p50", "p99", "mean")) if a else "| |"
+                cells = " / ".join(ms(r[p][k]) for k in ("p50", "p99", "mean"))
+                lines.append(f"| {r['variant']} | {r['concurrency']} | {p} | {cells} | {add} |")
     lines += [
         "",
-        "CPU seconds per 1,000 requests (concurrency 8, one path at a time)",
+        "CPU seconds per 1,000 requests (concurrency 8, one path at a time; picker: the router, "
+        "or the floor's process on path floor)",
         "",
-        "| variant | path | req/s | router | Envoy | router + Envoy |",
+        "| variant | path | req/s | picker | Envoy | picker + Envoy |",
         "|---|---|---:|---:|---:|---:|",
     ]
     for r in result["cpu"]:
@@ -357,14 +374,13 @@ def markdown(result: dict[str, Any]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument(
-        "--requests", type=int, default=2000, help="per path, per variant and concurrency"
-    )
+    ap.add_argument("--requests", type=int, default=2000, help="per path, variant, concurrency")
     ap.add_argument("--concurrency", default="1,8", help="comma-separated (default 1,8)")
     ap.add_argument("--cpu-requests", type=int, default=2000, help="per path and variant")
     ap.add_argument("--warmup", type=int, default=200, help="per path and variant")
     ap.add_argument("--envoy-bin", help="default: $KVROUTER_ENVOY_BIN, else .venv-envoy's")
     ap.add_argument("--json", metavar="PATH", help="write the figures here too")
+    ap.add_argument("--floor", action="store_true", help="path floor too (epp_floor.py)")
     ap.add_argument("--serve-upstream", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_upstream:

@@ -88,7 +88,8 @@ class EppServer:
         process = grpc.stream_stream_rpc_method_handler(
             self._process,
             request_deserializer=_parse,
-            response_serializer=ext_proc.ProcessingResponse.SerializeToString,
+            # the answers come serialized (router.edge.epp.messages): written as they are
+            response_serializer=bytes,
         )
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(EXT_PROC_SERVICE, {"Process": process}),)

@@ -27,15 +27,17 @@ access-log line per stream, as the HTTP server writes one per request.
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import Awaitable, Callable
 
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
-from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest, ProcessingResponse
+from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
 
 from router.edge.access import request_id, write_access
 from router.edge.epp.errors import ProtocolError, Unsupported
 from router.edge.epp.messages import (
+    Reply,
     body_chunk,
     endpoint_of,
     header_map,
@@ -63,11 +65,18 @@ __all__ = ["EppStream", "Read", "Write"]
 
 #: the next message of the stream; None once Envoy closed its side
 Read = Callable[[], Awaitable[ProcessingRequest | None]]
-Write = Callable[[ProcessingResponse], Awaitable[None]]
+#: send one answer (serialized: :mod:`router.edge.epp.messages` builds them so)
+Write = Callable[[Reply], Awaitable[None]]
+#: a request read whole: headers, subset hint, body chunks, body size (None: bodiless),
+#: trailers came, its x-request-id is new
+_Request = tuple[dict[str, str], frozenset[str] | None, list[bytes], int | None, bool, bool]
 
 _ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 #: a whole (not SSE) answer is kept up to this size to read its usage; past it, not read
 _WHOLE_MAX = 1 << 20
+#: the only headers the picker reads (of the request, of the answer)
+_REQUEST_HEADERS = frozenset({":method", ":path", "x-request-id", "authorization"})
+_RESPONSE_HEADERS = frozenset({":status", "content-type"})
 _STREAMED = ProcessingMode.FULL_DUPLEX_STREAMED
 _NO_BODY = ProcessingMode.NONE
 
@@ -114,35 +123,54 @@ class EppStream:
 
     async def _request(self) -> bool:
         """Read the request and answer it; True once a worker is picked."""
-        deadline = time.monotonic() + self.state.settings.epp.stream_timeout_s
         try:
-            return await self._read_and_pick(deadline)
-        except asyncio.TimeoutError:
-            timeout = self.state.settings.epp.stream_timeout_s
-            await self._refuse(RequestTimeout(f"request not received within {timeout:g} s"))
-            return False
+            got = await self._read_in_time()
+            return got is not None and await self._pick(*got)
         except RouterError as e:
             await self._refuse(e)
             return False
 
-    async def _next(self, deadline: float) -> ProcessingRequest | None:
-        return await asyncio.wait_for(self.read(), max(0.0, deadline - time.monotonic()))
+    async def _read_in_time(self) -> _Request | None:
+        """:meth:`_read_request` within ``epp.stream_timeout_s`` (else :class:`RequestTimeout`):
+        one timer for the whole request, not one per message (``asyncio.wait_for`` would add a
+        task and a timer to every read)."""
+        timeout = self.state.settings.epp.stream_timeout_s
+        task = asyncio.current_task()
+        assert task is not None
+        expired = False
 
-    async def _read_and_pick(self, deadline: float) -> bool:
-        first = await self._next(deadline)
+        def expire() -> None:
+            nonlocal expired
+            expired = True
+            task.cancel()
+
+        timer = asyncio.get_running_loop().call_later(timeout, expire)
+        try:
+            return await self._read_request()
+        except asyncio.CancelledError:
+            if not expired:
+                raise
+            if sys.version_info >= (3, 11):
+                task.uncancel()  # (the cancel was the timer's, and is handled here)
+            raise RequestTimeout(f"request not received within {timeout:g} s") from None
+        finally:
+            timer.cancel()
+
+    async def _read_request(self) -> _Request | None:
+        """The request's headers, body chunks and trailers; None if Envoy went away first."""
+        first = await self.read()
         if first is None:
-            return False  # gone before a word
+            return None  # gone before a word
         if first.WhichOneof("request") != "request_headers":
             raise ProtocolError(f"{_phase(first)} before request_headers")
         if first.HasField("protocol_config"):
             _check_modes(first)
-        headers = header_map(first.request_headers)
+        headers = header_map(first.request_headers, _REQUEST_HEADERS)
         self.method, self.path = headers.get(":method", ""), headers.get(":path", "")
         given = headers.get("x-request-id")
         given_id = given.encode("latin-1", "replace") if given is not None else None
         self.rid, new_id = request_id(given_id)
-        rid = self.rid.decode("ascii")
-        self.answer_headers.append(("x-request-id", rid))
+        self.answer_headers.append(("x-request-id", self.rid.decode("ascii")))
         if self.refuse:
             n = self.state.settings.epp.max_streams
             raise TooManyRequests(f"over epp.max_streams ({n} streams open)")
@@ -150,12 +178,11 @@ class EppStream:
         chunks: list[bytes] = []
         size, trailers = 0, False
         limit = self.state.settings.proxy.max_body_bytes
-        done = first.request_headers.end_of_stream
-        bodiless = done
+        done = bodiless = first.request_headers.end_of_stream
         while not done:
-            m = await self._next(deadline)
+            m = await self.read()
             if m is None:
-                return False  # Envoy went away mid-body: no flight yet
+                return None  # Envoy went away mid-body: no flight yet
             kind = m.WhichOneof("request")
             if kind == "request_body":
                 data = m.request_body.body
@@ -169,15 +196,28 @@ class EppStream:
                 trailers = done = True  # (a body that ends with trailers has no end_of_stream)
             else:
                 raise ProtocolError(f"{_phase(m)} before the end of the request")
-        body = b"".join(chunks)
-        set_headers = [("x-request-id", rid)] if new_id else []
-        if not bodiless:  # (the length Envoy's streamed body mode may have dropped)
+        return headers, subset, chunks, None if bodiless else size, trailers, new_id
+
+    async def _pick(
+        self,
+        headers: dict[str, str],
+        subset: frozenset[str] | None,
+        chunks: list[bytes],
+        size: int | None,
+        trailers: bool,
+        new_id: bool,
+    ) -> bool:
+        """Place the request read (``size``: of its body, None when bodiless) and answer it:
+        the pick, the body echoed, the trailers' answer."""
+        set_headers = [("x-request-id", self.rid.decode("ascii"))] if new_id else []
+        if size is not None:  # (the length Envoy's streamed body mode may have dropped)
             set_headers.append(("content-length", str(size)))
-        endpoints, more, remove = await self._place(headers, body, subset)
+        endpoints, more, remove = await self._place(headers, b"".join(chunks), subset)
         await self.write(picked(endpoints, [*set_headers, *more], remove))
+        last = len(chunks) - 1
         for i, c in enumerate(chunks):
-            await self.write(body_chunk(c, not trailers and i == len(chunks) - 1, request=True))
-        if not bodiless and not chunks and not trailers:
+            await self.write(body_chunk(c, not trailers and i == last, request=True))
+        if size is not None and not chunks and not trailers:
             await self.write(body_chunk(b"", True, request=True))
         if trailers:
             await self.write(trailers_reply(request=True))
@@ -203,22 +243,24 @@ class EppStream:
             d = placer.place(tokens, req.model, req.lora_name, req.cache_salt)
         else:  # (a GET /v1/models, an embedding...): no prompt to match, the load decides
             d = placer.place((), None)
-        order = [(i, endpoint_of(d.states[i].url)) for i in d.order]
-        if subset is not None:
-            order = [(i, e) for i, e in order if in_subset(e, subset)]
-        if not order:
-            where = " in the endpoint subset" if subset is not None else ""
-            raise NoHealthyWorker(f"no healthy worker{where} for this request")
-        i, primary = order[0]
-        ws, cand = d.states[i], d.candidates[i]
-        endpoints = [primary]
-        self.by_endpoint[primary] = ws.id
-        for j, e in order[1:]:  # fallbacks: other endpoints, best first (not committed)
+        # the pick, then up to epp.fallbacks other endpoints, best first (only the pick is
+        # committed); endpoints are read only as far as needed (a fleet may be large)
+        endpoints: list[str] = []
+        i = -1
+        for j in d.order:
+            e = endpoint_of(d.states[j].url)
+            if (subset is not None and not in_subset(e, subset)) or e in self.by_endpoint:
+                continue
+            if not endpoints:
+                i = j
+            endpoints.append(e)
+            self.by_endpoint[e] = d.states[j].id
             if len(endpoints) > s.epp.fallbacks:
                 break
-            if e not in self.by_endpoint:
-                endpoints.append(e)
-                self.by_endpoint[e] = d.states[j].id
+        if not endpoints:
+            where = " in the endpoint subset" if subset is not None else ""
+            raise NoHealthyWorker(f"no healthy worker{where} for this request")
+        ws, cand = d.states[i], d.candidates[i]
         more: list[tuple[str, str]] = []
         self.worker = ws.id
         self.answer_headers += [
@@ -253,7 +295,7 @@ class EppStream:
                 if self.status:
                     raise ProtocolError("response_headers twice")
                 self._served(m)
-                h = header_map(m.response_headers)
+                h = header_map(m.response_headers, _RESPONSE_HEADERS)
                 try:
                     self.status = int(h.get(":status", ""))
                 except ValueError as e:

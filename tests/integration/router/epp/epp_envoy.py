@@ -164,13 +164,26 @@ class Envoy:
         call = self.open()
         head = [(":method", method), (":path", path), (":authority", "gw"), *headers]
         await call.write(headers_request(head, end=body is None, subset=subset))
+        # the first answer is read while the body goes out, and sending stops once it came or
+        # the stream ended: the picker may answer before the body's end (413) and close the
+        # stream. (A read started only after a grpc.aio client's write failed would lose that
+        # answer: the failed write fails the whole call.)
+        first = asyncio.ensure_future(call.read())
         if body is not None:
             pieces = [body[i : i + chunk] for i in range(0, len(body), chunk)] or [b""]
-            for n, piece in enumerate(pieces):
-                await call.write(body_request(piece, n == len(pieces) - 1 and not trailers))
+            messages = [
+                body_request(p, n == len(pieces) - 1 and not trailers) for n, p in enumerate(pieces)
+            ]
             if trailers:
-                await call.write(ProcessingRequest(request_trailers=HttpTrailers()))
-        p = Picked(call, await call.read())
+                messages.append(ProcessingRequest(request_trailers=HttpTrailers()))
+            for m in messages:
+                if first.done():
+                    break
+                try:
+                    await call.write(m)
+                except grpc.aio.AioRpcError:
+                    break
+        p = Picked(call, await first)
         if p.immediate is not None or body is None:
             return p
         while True:

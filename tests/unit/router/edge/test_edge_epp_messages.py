@@ -11,13 +11,18 @@ import pytest
 pytest.importorskip("envoy.service.ext_proc.v3.external_processor_pb2", reason="the epp extra")
 
 from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue, Metadata
-from envoy.service.ext_proc.v3.external_processor_pb2 import HttpHeaders
+from envoy.service.ext_proc.v3.external_processor_pb2 import HttpHeaders, ProcessingResponse
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.struct_pb2 import Struct
 
 from router.edge.epp import messages as m
 from router.errors import ConfigError
 from router.settings import load_settings
+
+
+def parse(reply: bytes) -> ProcessingResponse:
+    """A built answer (serialized, as the server writes it) read back."""
+    return ProcessingResponse.FromString(reply)
 
 
 def hint(value: object, ns: str = m.SUBSET_NS, key: str = m.SUBSET) -> Metadata:
@@ -42,6 +47,8 @@ def test_header_map_prefers_raw_value_and_lowercases_names() -> None:
         "x-request-id": "from-value",
         "authorization": "Bearer \xe9",  # one char per byte
     }
+    some = m.header_map(HttpHeaders(headers=hm), frozenset({":path", "x-request-id", "other"}))
+    assert some == {":path": "/v1/completions", "x-request-id": "from-value"}
 
 
 @pytest.mark.parametrize(
@@ -84,7 +91,9 @@ def test_served_endpoint() -> None:
 
 
 def test_picked_puts_the_pick_in_the_header_and_the_fallbacks_in_the_metadata() -> None:
-    r = m.picked(["10.0.0.1:80", "10.0.0.2:80"], [("x-data-parallel-rank", "1")], ["authorization"])
+    r = parse(
+        m.picked(["10.0.0.1:80", "10.0.0.2:80"], [("x-data-parallel-rank", "1")], ["authorization"])
+    )
     assert r.WhichOneof("response") == "request_headers"
     common = r.request_headers.response
     assert common.clear_route_cache
@@ -98,31 +107,46 @@ def test_picked_puts_the_pick_in_the_header_and_the_fallbacks_in_the_metadata() 
     assert MessageToDict(r.dynamic_metadata) == {
         "envoy.lb": {"x-gateway-destination-endpoint": "10.0.0.1:80,10.0.0.2:80"}
     }
+    # the metadata is serialized once per endpoint list: another pick, another list, its own
+    again = parse(m.picked(["10.0.0.2:80"], [], []))
+    assert again.request_headers.response.header_mutation.set_headers[0].header.raw_value == (
+        b"10.0.0.2:80"
+    )
+    assert MessageToDict(again.dynamic_metadata) == {
+        "envoy.lb": {"x-gateway-destination-endpoint": "10.0.0.2:80"}
+    }
+    assert not again.request_headers.response.header_mutation.remove_headers
 
 
 def test_body_chunks_headers_and_trailers_replies() -> None:
-    r = m.body_chunk(b"abc", True, request=True)
+    r = parse(m.body_chunk(b"abc", True, request=True))
     sr = r.request_body.response.body_mutation.streamed_response
     assert (sr.body, sr.end_of_stream) == (b"abc", True)
-    r = m.body_chunk(b"", False, request=False)
+    # an empty chunk is still a streamed body answer (Envoy waits for one per chunk it sent)
+    r = parse(m.body_chunk(b"", False, request=False))
     assert r.WhichOneof("response") == "response_body"
-    r = m.headers_reply(request=False, set_headers=[("x-kvrouter-worker", "a")])
+    assert r.response_body.response.body_mutation.WhichOneof("mutation") == "streamed_response"
+    r = parse(m.headers_reply(request=False, set_headers=[("x-kvrouter-worker", "a")]))
     assert r.response_headers.response.header_mutation.set_headers[0].header.raw_value == b"a"
-    assert not m.headers_reply(request=True).request_headers.HasField("response")
-    assert m.trailers_reply(request=True).WhichOneof("response") == "request_trailers"
-    assert m.trailers_reply(request=False).WhichOneof("response") == "response_trailers"
+    bare = parse(m.headers_reply(request=True))
+    assert bare.WhichOneof("response") == "request_headers"
+    assert not bare.request_headers.HasField("response")
+    assert parse(m.headers_reply(request=False)).WhichOneof("response") == "response_headers"
+    assert parse(m.trailers_reply(request=True)).WhichOneof("response") == "request_trailers"
+    assert parse(m.trailers_reply(request=False)).WhichOneof("response") == "response_trailers"
 
 
 def test_immediate_is_the_openai_error_shape() -> None:
-    r = m.immediate(429, "too many", "rate_limit_error", [("x-request-id", "r1")])
-    im = r.immediate_response
+    im = parse(m.immediate(429, "too many", "rate_limit_error", [("x-request-id", "r1")]))
+    im = im.immediate_response
     assert im.status.code == 429 and im.details == "kvrouter_epp_429"
     heads = {h.header.key: h.header.raw_value for h in im.headers.set_headers}
     assert heads == {"content-type": b"application/json", "x-request-id": b"r1"}
     assert json.loads(im.body) == {
         "error": {"message": "too many", "type": "rate_limit_error", "param": None, "code": None}
     }
-    assert m.immediate(408, "slow", "invalid_request_error").immediate_response.status.code == 408
+    slow = parse(m.immediate(408, "slow", "invalid_request_error"))
+    assert slow.immediate_response.status.code == 408
 
 
 def test_epp_settings(tmp_path) -> None:
