@@ -3,6 +3,7 @@
     kvrouter replay --trace ../shared/traces/conversation_trace.jsonl --count 2000 \\
         --json out/virtual-conversation.json --plots out/virtual-conversation
     kvrouter replay --workload shared-prefix --groups 8 --prompts 32 --turns 3
+    kvrouter replay --trace ... --count 2000 --kv-tokens 262144   # caches under pressure
     kvrouter replay --mode live --trace ... --count 1000 --speedup 1.25 \\
         --policies round_robin,least_load,kvrouter,sglang --sglang-router-python /tmp/sgl/bin/python
 
@@ -36,7 +37,7 @@ from router.errors import ConfigError
 
 __all__ = ["main"]
 
-VIRTUAL_DEFAULT = "random,round_robin,least_load,kvrouter,cache_aware,oracle"
+VIRTUAL_DEFAULT = "random,round_robin,least_load,kvrouter,cache_aware,smg,oracle"
 LIVE_DEFAULT = "round_robin,least_load,kvrouter"
 
 
@@ -65,6 +66,13 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--workers", type=int, default=8)
     f.add_argument("--block-size", type=int, default=16)
     f.add_argument("--gpu-blocks", type=int, default=65536, help="per worker (default 65536)")
+    f.add_argument(
+        "--kv-tokens",
+        type=int,
+        metavar="N",
+        help="KV tokens per worker, instead of --gpu-blocks (e.g. 262144 or 131072: caches that "
+        "evict what the trace reuses)",
+    )
     v = p.add_argument_group("virtual time (--mode virtual)")
     v.add_argument("--max-num-batched-tokens", type=int, default=2048)
     v.add_argument("--max-num-seqs", type=int, default=64)
@@ -111,6 +119,12 @@ def _sim_options(items: Sequence[str]) -> dict[str, float]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        if args.kv_tokens is not None:
+            if args.kv_tokens <= 0 or args.kv_tokens % args.block_size:
+                raise TraceError(
+                    f"--kv-tokens must be a positive multiple of --block-size ({args.block_size})"
+                )
+            args.gpu_blocks = args.kv_tokens // args.block_size
         reqs = _workload(args)
         check_block_sizes(args.trace_block, args.block_size, reqs)
         policies = args.policies or (VIRTUAL_DEFAULT if args.mode == "virtual" else LIVE_DEFAULT)
@@ -128,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ideal = ideal_hit(reqs, args.trace_block)
     capacity = args.workers * args.gpu_blocks * args.block_size
     pooled = pooled_lru_hit(reqs, args.trace_block, capacity)
-    table = [row(r, ideal) for r in runs]
+    table = [row(r, ideal, pooled) for r in runs]
     where = Path(args.trace).name if args.workload == "trace" else "shared-prefix"
     title = (
         f"{args.mode}: {where} [{args.start},{args.start + len(reqs)}) {len(reqs)} requests, "

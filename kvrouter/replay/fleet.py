@@ -1,12 +1,16 @@
 """Live replay's servers: a fresh fleet of bundled engines per policy, the router in front of it
-(kvrouter, or sglang-router from its own Python), their readiness, CPU time and counters.
+(kvrouter, or sglang-router or smg from their own Pythons), their readiness, CPU time and counters.
 
 A :class:`Fleet` starts N sim engines on free loopback ports (the ``kvrouter up`` building blocks
 of :mod:`kvrouter.up`, GPU tier only unless engine arguments say otherwise, so every policy sees
 the same cache size), then at most one router: ``kvrouter`` (``python -m router`` with one
 ``--worker`` spec per engine, optionally ``--config``) or ``sglang`` (``PYTHON -m
 sglang_router.launch_router --worker-urls ... --policy cache_aware``; a Python with the
-``sglang-router`` package, never a dependency of this project). Closing stops them all.
+``sglang-router`` package, never a dependency of this project) or ``smg`` (``PYTHON -m
+smg.launch_router``, the same arguments: SGLang's gateway since, PyPI ``smg``; the engines all
+serve one model name, which it routes by). For policy ``kvrouter-epp`` the
+router runs its endpoint picker on a free port and a real Envoy (:mod:`kvrouter.gateway`) in front
+of it is what clients call (:meth:`Fleet.start_gateway`). Closing stops them all.
 
 CPU time is read from ``/proc/<pid>/stat`` (utime + stime of the process and its live
 descendants), so no psutil; on a system without ``/proc`` it is reported as unknown.
@@ -26,6 +30,7 @@ from typing import Any, TextIO
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvrouter.gateway import EPP_ENV, EPP_READY, EnvoyProcess, load, render
 from kvrouter.up import (
     ENGINE_READY,
     ROUTER_READY,
@@ -118,6 +123,9 @@ class Fleet:
         self.worker_specs: list[str] = []
         self.router_url: str | None = None
         self.router_pid: int | None = None
+        #: the router's EPP port (start_kvrouter(epp=True)) and the Envoy in front of it
+        self.epp_port: int | None = None
+        self.gateway: EnvoyProcess | None = None
         self._stop = threading.Event()
 
     def __enter__(self) -> Fleet:
@@ -133,6 +141,8 @@ class Fleet:
 
     def close(self) -> None:
         self._stop.set()
+        if self.gateway is not None:  # first: it stops sending traffic
+            self.gateway.stop()
         stop_children(self.children)
         self.children.clear()
 
@@ -162,38 +172,69 @@ class Fleet:
             self.engine_urls.append(ready.group(1))
             self.worker_specs.append(worker_spec(child.name, ready))
 
-    def start_kvrouter(self, config: str | None = None, env: dict[str, str] | None = None) -> str:
+    def start_kvrouter(
+        self, config: str | None = None, env: dict[str, str] | None = None, *, epp: bool = False
+    ) -> str:
+        """The router; with ``epp`` its endpoint picker too, on a free port (``epp_port``)."""
         argv = router_argv(self.worker_specs, block_size=self.spec.block_size)
         argv += ["--log-level", "warning", *(["--config", config] if config else [])]
+        if epp:
+            env = {**EPP_ENV, **(env or {})}
         child = self._spawn("router", argv, env)
         url = child.wait_line(ROUTER_READY, self.spec.ready_timeout, self._stop).group(1)
+        if epp:  # (printed right after the HTTP listener's line)
+            ready = child.wait_line(EPP_READY, self.spec.ready_timeout, self._stop)
+            self.epp_port = int(ready.group(2))
         wait_until(lambda: _status(url + "/ready") == 200, self.spec.ready_timeout, "router /ready")
         self.router_url, self.router_pid = url, child.proc.pid
         return url
 
     def start_sglang_router(self, python: str, extra: Sequence[str] = ()) -> str:
+        """sglang-router (0.3.2) with ``--policy cache_aware``, from ``python``."""
+        return self._start_sglang_family("sglang-router", python, "sglang_router", extra)
+
+    def start_smg(self, python: str, extra: Sequence[str] = ()) -> str:
+        """smg (SGLang's gateway, 1.13) with ``--policy cache_aware``, from ``python``: the same
+        command line and readiness probe as sglang-router, its predecessor."""
+        return self._start_sglang_family("smg", python, "smg", extra)
+
+    def _start_sglang_family(
+        self, name: str, python: str, package: str, extra: Sequence[str]
+    ) -> str:
         port, metrics_port = _free_port(), _free_port()
         argv = [
-            python, "-m", "sglang_router.launch_router", "--worker-urls", *self.engine_urls,
+            python, "-m", f"{package}.launch_router", "--worker-urls", *self.engine_urls,
             "--policy", "cache_aware", "--host", "127.0.0.1", "--port", str(port),
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
             "--log-level", "warn", *extra,
         ]  # fmt: skip
-        child = self._spawn("sglang-router", argv)
+        child = self._spawn(name, argv)
         url = f"http://127.0.0.1:{port}"
 
         def ready() -> bool:  # it registers workers in the background after it listens
             if child.proc.poll() is not None:
-                raise UpError(f"sglang-router exited with status {child.proc.returncode}")
+                raise UpError(f"{name} exited with status {child.proc.returncode}")
             body = _json(url + "/readiness")
             return body is not None and body.get("healthy_workers") == len(self.engine_urls)
 
-        wait_until(ready, self.spec.ready_timeout, "sglang-router to register every engine")
+        wait_until(ready, self.spec.ready_timeout, f"{name} to register every engine")
         self.router_url, self.router_pid = url, child.proc.pid
         return url
 
+    def start_gateway(self, binary: str | None = None) -> str:
+        """An Envoy on ``deploy/gateway/envoy.yaml`` in front of the router's EPP (after
+        ``start_kvrouter(epp=True)``); returns its listener's URL."""
+        if self.epp_port is None:
+            raise UpError("start_gateway needs a router with its EPP (start_kvrouter(epp=True))")
+        config = render(load(), epp=("127.0.0.1", self.epp_port))
+        self.gateway = EnvoyProcess(config, binary=binary, ready_timeout=self.spec.ready_timeout)
+        return self.gateway.start().url
+
     def router_cpu(self) -> float | None:
         return cpu_seconds(self.router_pid) if self.router_pid is not None else None
+
+    def gateway_cpu(self) -> float | None:
+        return cpu_seconds(self.gateway.pid) if self.gateway is not None else None
 
     def counters(self) -> list[EngineCounters]:
         return [engine_counters(u) for u in self.engine_urls]

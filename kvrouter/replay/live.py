@@ -1,12 +1,13 @@
 """Live replay: one trace through each policy against running servers, one policy after another.
 
 Where the requests go (:class:`LiveTargets`): a fleet of our own, fresh for each policy
-(:mod:`kvrouter.replay.fleet`: N bundled sim engines, and kvrouter or sglang-router in front of
-them), or servers already running — a kvrouter URL, an sglang-router URL, OpenAI worker URLs for
+(:mod:`kvrouter.replay.fleet`: N bundled sim engines, and kvrouter, sglang-router or smg in front
+of them; ``kvrouter-epp``: the same router as an endpoint picker behind a real Envoy), or servers
+already running — a kvrouter URL, an sglang-router or smg URL, OpenAI worker URLs for
 the client-side policies (their prefix caches are reset between policies where the workers allow
 ``POST /reset_prefix_cache``). The client (:mod:`kvrouter.replay.live_client`) paces, streams and
-measures; a :class:`PolicyRun` carries what it saw plus the router's CPU seconds and the engines'
-counters.
+measures; a :class:`PolicyRun` carries what it saw plus the router's CPU seconds (and Envoy's, for
+``kvrouter-epp``) and the engines' counters.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import TextIO
 
 import httpx
 
+from kvrouter.gateway import GatewayError, envoy_binary
 from kvrouter.replay.fleet import EngineCounters, Fleet, FleetSpec, cpu_seconds, engine_counters
 from kvrouter.replay.live_client import (
     CLIENT_POLICIES,
@@ -32,6 +34,7 @@ from kvrouter.replay.live_client import (
 )
 
 __all__ = [
+    "EPP_POLICY",
     "PEER_POLICIES",
     "LiveTargets",
     "PolicyRun",
@@ -42,7 +45,9 @@ __all__ = [
 
 # ------------------------------------------------------------------------- one run per policy
 
-PEER_POLICIES = ("kvrouter", "sglang")
+PEER_POLICIES = ("kvrouter", "kvrouter-epp", "sglang", "smg")
+#: policy kvrouter through a real Envoy that asks the router's endpoint picker (kvrouter.gateway)
+EPP_POLICY = "kvrouter-epp"
 
 
 @dataclass
@@ -53,15 +58,20 @@ class LiveTargets:
     #: a running kvrouter (policy ``kvrouter``) and a running sglang-router (policy ``sglang``)
     router_url: str | None = None
     sglang_url: str | None = None
+    smg_url: str | None = None
     #: workers for the client-side policies when there is no fleet of our own
     worker_urls: tuple[str, ...] = ()
     #: a Python with sglang-router installed: the fleet starts one in front of its engines
     sglang_python: str | None = None
+    #: a Python with smg installed: the fleet starts one in front of its engines (policy smg)
+    smg_python: str | None = None
     #: a router YAML for the fleet's kvrouter, and environment overrides (KVROUTER_...)
     router_config: str | None = None
     router_env: dict[str, str] = field(default_factory=dict)
     #: pids whose CPU time counts as the router's when the router is not ours (0: unknown)
     router_pid: int = 0
+    #: the Envoy binary for policy kvrouter-epp (kvrouter.gateway.envoy_binary; None: not needed)
+    envoy_bin: str | None = None
 
 
 @dataclass
@@ -73,6 +83,8 @@ class PolicyRun:
     router_cpu_s: float | None = None
     #: per engine, from its /metrics after the run (empty when the workers are not ours)
     engines: list[EngineCounters] = field(default_factory=list)
+    #: CPU seconds the gateway (Envoy, policy kvrouter-epp) used during the run
+    gateway_cpu_s: float | None = None
 
 
 def run_policy(
@@ -96,15 +108,22 @@ def run_policy(
     with Fleet(targets.fleet, log=log) as fleet:
         router: str | None = None
         client: ClientPolicy | None = None
-        if policy == "kvrouter":
-            router = fleet.start_kvrouter(targets.router_config, targets.router_env)
+        if policy in ("kvrouter", EPP_POLICY):
+            epp = policy == EPP_POLICY
+            router = fleet.start_kvrouter(targets.router_config, targets.router_env, epp=epp)
+            if epp:  # the client calls Envoy, which asks the router's EPP
+                router = fleet.start_gateway(targets.envoy_bin)
         elif policy == "sglang":
             if not targets.sglang_python:
                 raise ValueError("policy sglang on a fleet needs --sglang-router-python")
             router = fleet.start_sglang_router(targets.sglang_python)
+        elif policy == "smg":
+            if not targets.smg_python:
+                raise ValueError("policy smg on a fleet needs --smg-python")
+            router = fleet.start_smg(targets.smg_python)
         else:
             client = ClientPolicy(policy, fleet.engine_urls, seed)
-        cpu0 = fleet.router_cpu()
+        cpu0, gw0 = fleet.router_cpu(), fleet.gateway_cpu()
         start = time.perf_counter()
         outcomes = asyncio.run(
             _drive(
@@ -118,9 +137,10 @@ def run_policy(
             )
         )
         wall = time.perf_counter() - start
-        cpu1 = fleet.router_cpu()
+        cpu1, gw1 = fleet.router_cpu(), fleet.gateway_cpu()
         cpu = cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None
-        return PolicyRun(policy, outcomes, wall, cpu, fleet.counters())
+        gw = gw1 - gw0 if gw0 is not None and gw1 is not None else None
+        return PolicyRun(policy, outcomes, wall, cpu, fleet.counters(), gateway_cpu_s=gw)
 
 
 def _run_external(
@@ -132,7 +152,9 @@ def _run_external(
     max_inflight: int,
     on_done: Callable[[LiveOutcome], None] | None,
 ) -> PolicyRun:
-    router = {"kvrouter": t.router_url, "sglang": t.sglang_url}.get(policy)
+    if policy == EPP_POLICY:  # (a running Envoy's EPP router could be anywhere: not measured)
+        raise ValueError(f"policy {EPP_POLICY} runs on a fleet of our own (no --*-url)")
+    router = {"kvrouter": t.router_url, "sglang": t.sglang_url, "smg": t.smg_url}.get(policy)
     if policy in PEER_POLICIES and not router:
         raise ValueError(f"policy {policy} needs its router URL (or a fleet of our own)")
     client = None if router else ClientPolicy(policy, t.worker_urls, seed)
@@ -184,10 +206,16 @@ def add_live_arguments(p: argparse.ArgumentParser) -> None:
     a = g.add_argument
     a("--router-url", help="a running kvrouter for policy kvrouter (default: a fresh fleet's)")
     a("--sglang-router-url", help="a running sglang-router for policy sglang")
+    a("--smg-url", help="a running smg for policy smg")
     a(
         "--sglang-router-python",
         metavar="PATH",
         help="a Python with sglang-router installed: the fleet starts it for policy sglang",
+    )
+    a(
+        "--smg-python",
+        metavar="PATH",
+        help="a Python with smg (SGLang's gateway) installed: the fleet starts it for policy smg",
     )
     a(
         "--worker-url",
@@ -214,6 +242,12 @@ def add_live_arguments(p: argparse.ArgumentParser) -> None:
         metavar="ARG",
         help="extra argument for every fleet engine (repeatable), e.g. --engine-arg=--max-num-seqs=128",
     )
+    a(
+        "--envoy-bin",
+        metavar="PATH",
+        help=f"Envoy for policy {EPP_POLICY} (default: $KVROUTER_ENVOY_BIN, else .venv-envoy's, "
+        "which .ci/envoy.sh installs)",
+    )
     a("--max-inflight", type=int, default=2048, help="streams open at once (default 2048)")
     a("--children-log", help="file for the fleet's output (default: discarded)")
 
@@ -222,8 +256,17 @@ def targets_from_args(
     args: argparse.Namespace, *, workers: int, block_size: int, gpu_blocks: int, speedup: float
 ) -> LiveTargets:
     """The fleet (same shape as the virtual fleet, engines at the replay's speedup) unless
-    servers are given; a router URL with no workers still needs no fleet for its policy."""
-    external = bool(args.worker_url or args.router_url or args.sglang_router_url)
+    servers are given; a router URL with no workers still needs no fleet for its policy.
+    Policy kvrouter-epp needs a fleet and an Envoy binary: checked here, before any run."""
+    external = bool(args.worker_url or args.router_url or args.sglang_router_url or args.smg_url)
+    envoy_bin = None
+    if EPP_POLICY in (getattr(args, "policies", None) or "").split(","):
+        if external:
+            raise ValueError(f"policy {EPP_POLICY} runs on a fleet of our own (no --*-url)")
+        try:
+            envoy_bin = envoy_binary(args.envoy_bin)
+        except GatewayError as e:
+            raise ValueError(str(e)) from e
     fleet = None
     if not external:
         fleet = FleetSpec(
@@ -240,9 +283,12 @@ def targets_from_args(
         sglang_url=args.sglang_router_url,
         worker_urls=tuple(args.worker_url),
         sglang_python=args.sglang_router_python,
+        smg_url=args.smg_url,
+        smg_python=args.smg_python,
         router_config=args.router_config,
         router_env=dict(args.router_env),
         router_pid=args.router_pid,
+        envoy_bin=envoy_bin,
     )
 
 

@@ -15,6 +15,8 @@ Every policy answers ``place(request, tokens, now) -> (worker, handle)`` and hea
   loaded worker, else the longest match if it covers more than 30 % of the prompt, else the
   worker with the smallest tree. Prefixes are matched in 16-token blocks, not characters, and the
   tree is never evicted (its cap is 2^26 characters). Live, the real one runs (policy ``sglang``).
+* ``smg``, ``smg_dark``: smg 1.13.0's ``cache_aware`` (SGLang's gateway), its successor, with the
+  load model it adds (:mod:`kvrouter.replay.smg`).
 * ``oracle``: sees every engine's exact GPU cache and queue at decision time and picks the
   worker with the least modeled time to first token (the sim runner's own timing model). Greedy
   per request, so it is a strong reference, not an upper bound.
@@ -39,13 +41,24 @@ from router.settings import Settings, WorkerConfig
 
 __all__ = ["VIRTUAL_POLICIES", "Policy", "make_policy"]
 
-VIRTUAL_POLICIES = ("random", "round_robin", "least_load", "kvrouter", "cache_aware", "oracle")
+VIRTUAL_POLICIES = (
+    "random",
+    "round_robin",
+    "least_load",
+    "kvrouter",
+    "cache_aware",
+    "smg",
+    "smg_dark",
+    "oracle",
+)
 
 
 class Policy:
     """Base: counts requests outstanding per worker; subclasses choose."""
 
     name = ""
+    #: seconds between the run's calls to ``poll`` (a load monitor's period); None: never
+    poll_s: float | None = None
 
     def __init__(self, engines: Sequence[LLMEngine]) -> None:
         self.engines = engines
@@ -66,6 +79,9 @@ class Policy:
         self.outstanding[handle[0]] -= 1
 
     def events(self, worker: int, events: Sequence[Event], now: float) -> None:
+        return None
+
+    def poll(self, now: float) -> None:
         return None
 
     def close(self) -> None:
@@ -122,14 +138,18 @@ class KvrouterPolicy(Policy):
         # from the engines' events), so nothing here opens a socket
         fleet = Registry(settings.health, clock=clock)
         self.index = PrefixIndex(settings.block_size)
+        # as the service: each rank capped at its KV capacity (which the health checks read from
+        # the worker's /metrics, here from the engine itself), that the scoring also reads
+        self.index.set_rank_caps(settings.index.max_rank_entries, settings.index.capacity_margin)
         self.placer = Placer(settings, self.index, fleet, clock=clock)
         self.keys = []
-        for w in range(len(engines)):
+        for w, engine in enumerate(engines):
             cfg = WorkerConfig(
                 id=f"w{w}", url=f"http://w{w}.invalid", events_endpoint="tcp://127.0.0.1:9"
             )  # never dialled
             fleet.add(cfg)
             self.index.add_worker(cfg.id, 0, model=cfg.model)
+            self.index.set_rank_capacity((cfg.id, 0), {"GPU": engine.bm.num_blocks})
             self.keys.append((cfg.id, 0))
         self._slot = {k: w for w, k in enumerate(self.keys)}
 
@@ -242,6 +262,10 @@ def make_policy(
         return KvrouterPolicy(engines, settings, clock)
     if name == "cache_aware":
         return CacheAwarePolicy(engines)
+    if name in ("smg", "smg_dark"):
+        from kvrouter.replay.smg import SmgPolicy  # it builds on Policy, defined here
+
+        return SmgPolicy(engines, seed, reports=name == "smg")
     if name == "oracle":
         return OraclePolicy(engines)
     raise ValueError(f"unknown virtual-time policy {name!r} (known: {', '.join(VIRTUAL_POLICIES)})")

@@ -1,10 +1,12 @@
 """What a replay prints and writes: one row per policy, a JSON file, two PNG plots, a progress bar.
 
 A row (:func:`row`): requests served and failed; prefix hit rate (Σ cached / Σ prompt tokens, the
-engines' own ``cached_tokens``) and its fraction of the infinite-cache ideal; TTFT mean/p50/p99 and
+engines' own ``cached_tokens``), its fraction of the infinite-cache ideal and of one pooled LRU
+cache of the fleet's size (what a single shared cache keeps: the ideal under a finite cache); TTFT mean/p50/p99 and
 end-to-end p50/p99 in milliseconds; requests and prompt tokens per worker (max/min); preemptions;
-in live mode the router's CPU seconds per 1,000 requests and how late the client sent the latest
-request. Times are simulated seconds in virtual time and wall-clock seconds live.
+in live mode the router's CPU seconds per 1,000 requests (and Envoy's, for policy kvrouter-epp)
+and how late the client sent the latest request. Times are simulated seconds in virtual time and
+wall-clock seconds live.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def _pct(xs: Sequence[float], q: float) -> float | None:
     return round(xs[min(len(xs) - 1, int(q * len(xs)))] * 1000) if xs else None
 
 
-def row(run: Run, ideal: float) -> dict[str, Any]:
+def row(run: Run, ideal: float, pooled: float | None = None) -> dict[str, Any]:
     ok = [o for o in run.outcomes if o.error is None]
     ttft = sorted(o.ttft_s for o in ok if o.ttft_s is not None)
     e2e = sorted(o.e2e_s for o in ok if o.e2e_s is not None)
@@ -45,6 +47,7 @@ def row(run: Run, ideal: float) -> dict[str, Any]:
         "errors": len(run.outcomes) - len(ok),
         "hit_%": round(hit * 100, 1),
         "of_ideal_%": round(hit / ideal * 100) if ideal else None,
+        "of_lru_%": round(hit / pooled * 100) if pooled else None,
         "ttft_mean_ms": round(statistics.mean(ttft) * 1000) if ttft else None,
         "ttft_p50_ms": _pct(ttft, 0.5),
         "ttft_p99_ms": _pct(ttft, 0.99),
@@ -57,6 +60,9 @@ def row(run: Run, ideal: float) -> dict[str, Any]:
     cpu = getattr(run, "router_cpu_s", None)
     if hasattr(run, "router_cpu_s"):
         out["cpu_s/1k"] = None if cpu is None else round(cpu / len(run.outcomes) * 1000, 1)
+        gateway = getattr(run, "gateway_cpu_s", None)
+        if gateway is not None:  # (policy kvrouter-epp: Envoy's, besides the router's)
+            out["envoy_cpu_s/1k"] = round(gateway / len(run.outcomes) * 1000, 1)
         out["late_max_s"] = round(max((o.late_s for o in run.outcomes), default=0.0), 2)
     return out
 
@@ -73,10 +79,10 @@ def error_kinds(run: Run, limit: int = 5) -> dict[str, int]:
 
 
 def format_table(title: str, table: Sequence[dict[str, Any]]) -> str:
-    keys = list(table[0])
-    widths = [max(len(k), *(len(str(r[k])) for r in table)) for k in keys]
+    keys = list(dict.fromkeys(k for r in table for k in r))  # a column only some rows have: "-"
+    widths = [max(len(k), *(len(str(r.get(k, "-"))) for r in table)) for k in keys]
     lines = [title, "  ".join(k.ljust(w) for k, w in zip(keys, widths))]
-    lines += ["  ".join(str(r[k]).ljust(w) for k, w in zip(keys, widths)) for r in table]
+    lines += ["  ".join(str(r.get(k, "-")).ljust(w) for k, w in zip(keys, widths)) for r in table]
     return "\n".join(lines)
 
 

@@ -10,7 +10,9 @@ duration instead of sleeping it. A discrete-event loop owns the clock:
   outputs — first tokens, finished requests — happen at ``t + step time``, when the engine
   starts its next step if it has work;
 * the KV events a step published reach the policy (the router's index) ``event_delay_s`` after
-  the step ended: the router sees the caches as late as a real subscriber would.
+  the step ended: the router sees the caches as late as a real subscriber would;
+* a policy with a load monitor (``poll_s``) reads the engines every ``poll_s`` from the first
+  arrival, while anything else is left to happen.
 
 Nothing sleeps and nothing reads the wall clock, so a run is a function of the workload, the
 fleet, the policy and the seed: the same inputs give the same table.
@@ -38,7 +40,8 @@ from router.settings import Settings
 
 __all__ = ["VirtualFleet", "VirtualRun", "run_virtual"]
 
-_STEP, _EVENTS, _ARRIVE = 0, 1, 2  # at equal times: outputs land, then events, then arrivals
+# at equal times: outputs land, then events, then a load poll, then arrivals
+_STEP, _EVENTS, _POLL, _ARRIVE = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -167,6 +170,8 @@ class _Sim:
         self.heap: list[tuple[float, int, int, Any]] = [
             (r.arrival_s, _ARRIVE, next(self.order), i) for i, r in enumerate(requests)
         ]
+        if self.policy.poll_s is not None and requests:
+            self.heap.append((requests[0].arrival_s, _POLL, next(self.order), None))
         heapq.heapify(self.heap)
         self.blocks: dict[int, list[int]] = {}  # trace block tokens, cleared past a bound
 
@@ -174,7 +179,15 @@ class _Sim:
         heap, end = self.heap, 0.0
         while heap:
             now, kind, _, data = heapq.heappop(heap)
-            self.clock.now = end = now
+            self.clock.now = now
+            if kind == _POLL:  # not an end: the last poll may come after the last completion
+                self.policy.poll(now)
+                if heap:  # polls only while something else is still to happen
+                    poll_s = self.policy.poll_s
+                    assert poll_s is not None
+                    heapq.heappush(heap, (now + poll_s, _POLL, next(self.order), None))
+                continue
+            end = now
             if kind == _ARRIVE:
                 self.arrive(data, now)
             elif kind == _STEP:

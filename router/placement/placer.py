@@ -10,7 +10,8 @@ service, a simulated one in virtual-time replay).
 
 ``place`` = hash the request (per index namespace: the worker's configured model), match it against
 the index with the predicted overlay and EXTERNAL pools, fill one
-:class:`router.placement.scoring.Candidate` per worker rank with its load, and rank them.
+:class:`router.placement.scoring.Candidate` per worker rank with its load and its GPU capacity
+(what the index knows the rank's KV holds), and rank them.
 ``fly`` = commit the request on the chosen rank (account it, record its blocks as predicted there)
 and return the :class:`router.placement.flight.Flight` that ends it.
 """
@@ -21,6 +22,7 @@ import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 
+from indexer.events import CANONICAL_TIERS
 from indexer.hashing import request_seed
 from indexer.index import PrefixIndex, WorkerMatch
 from router.errors import BadRequest
@@ -46,6 +48,11 @@ __all__ = ["Decision", "Placer"]
 _M64 = (1 << 64) - 1
 _NO_MATCH = WorkerMatch(0, {})
 _NO_SHARED = (0, 0)
+_GPU = CANONICAL_TIERS.index("GPU")
+
+
+def _no_capacity(key: WorkerKey) -> int:
+    return 0
 
 
 class Decision:
@@ -104,6 +111,7 @@ class Placer:
             waiting_weight=sc.waiting_weight,
             kv_usage_weight=sc.kv_usage_weight,
             cache_credit=sc.cache_credit,
+            overflow_weight=sc.overflow_weight,
         )
         self.temperature = sc.temperature
         self.rng = rng if rng is not None else random.Random(sc.seed)
@@ -142,6 +150,7 @@ class Placer:
         pools = self.fleet.pools()
         load = self.load
         load_get = load.get
+        capacity = self._capacity if self.weights.overflow_weight > 0 else _no_capacity
         source = None if isinstance(token_ids, Sequence) else token_ids
         candidates: list[Candidate] = []
         cand_hashes: list[Sequence[int]] = []
@@ -190,6 +199,7 @@ class Placer:
                         shared[1],
                         st.scraped,
                         wh,
+                        capacity(key),
                     )
                 )
                 cand_hashes.append(hashes)
@@ -214,6 +224,19 @@ class Placer:
         )
         self.metrics.decided(self.timer() - t0)
         return Decision(n, candidates, cand_hashes, order, cand_states, index.block_size, count)
+
+    def _capacity(self, key: WorkerKey) -> int:
+        """Router blocks rank ``key``'s GPU KV holds, from the capacity the worker reported to the
+        index (engine blocks of its page size); 0 when not known."""
+        try:
+            rec = self.index.worker(key)
+        except KeyError:
+            return 0
+        cap = rec.capacity
+        if not cap:
+            return 0
+        bs = self.index.block_size
+        return cap.get(_GPU, 0) * (rec.page or bs) // bs
 
     def chose(self, d: Decision, i: int, kind: str, *, committed: bool = False) -> None:
         """Count candidate ``i`` as chosen (``kind``: proxy, epp, route, route_account) — the one

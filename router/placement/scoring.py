@@ -3,7 +3,8 @@
 For a request of ``n`` full blocks and each candidate worker rank ``w``::
 
     c(w)    = Σ_t weight_t · m_t(w)  +  predicted(w)            (predicted blocks count like GPU)
-    cost(w) = overlap_weight · (inflight_prefill(w) + n − c(w) + (cache_credit − 1) · (c* − c(w)))
+    cost(w) = overlap_weight · (inflight_prefill(w) + n − c(w) + (cache_credit − 1) · (c* − c(w))
+                                + overflow_weight · max(0, active_blocks(w) + n − capacity(w)))
               + active_blocks(w) [+ scraped(w)]
 
 with ``c*`` the largest credit of any healthy candidate. The last prefill term charges turning
@@ -15,6 +16,13 @@ it waits too — and copies the prefix into a second cache, evicting someone els
 every candidate, so it changes no order; it keeps costs non-negative and readable: the worker
 holding the most pays nothing for reuse, another pays ``cache_credit`` prefill blocks per block
 it lacks.
+
+The overflow term is what a placement costs a cache near capacity: while it runs the request
+holds all its ``n`` blocks (the cached ones too), beside the blocks the requests running on ``w``
+hold; what does not fit in ``capacity(w)`` (GPU blocks, from the index: the worker's reported
+KV size) waits for a decode to end or preempts one, and every block it takes evicts what the
+cache kept for later. Each such block costs ``overflow_weight`` blocks of prefill. A worker of
+unknown capacity, or with room, pays nothing: on caches that are not full it changes no order.
 
 Load is what *this* request competes with. Blocks of the request that requests already in flight
 on ``w`` hold (a shared prefix: chained hashes make it a leading run) are neither queued work nor
@@ -39,7 +47,11 @@ from collections.abc import Mapping, Sequence
 import msgspec
 
 from indexer.events import CANONICAL_TIERS, DEFAULT_TIER_WEIGHTS
-from router.settings.scoring import DEFAULT_CACHE_CREDIT, DEFAULT_OVERLAP_WEIGHT
+from router.settings.scoring import (
+    DEFAULT_CACHE_CREDIT,
+    DEFAULT_OVERFLOW_WEIGHT,
+    DEFAULT_OVERLAP_WEIGHT,
+)
 from router.types import ScrapedLoad, WorkerKey, worker_hash
 
 __all__ = [
@@ -64,6 +76,7 @@ class ScoreWeights(msgspec.Struct, frozen=True):
     waiting_weight: float = 0.0
     kv_usage_weight: float = 0.0
     cache_credit: float = DEFAULT_CACHE_CREDIT
+    overflow_weight: float = DEFAULT_OVERFLOW_WEIGHT
 
     def tier_weight(self, tier: str) -> float:
         """Unknown tiers are scored like EXTERNAL (docs/architecture.md §2), never like GPU."""
@@ -87,6 +100,7 @@ class Candidate(msgspec.Struct, gc=False):
     shared_prefill: int = 0
     scraped: ScrapedLoad | None = None
     whash: int = -1  # worker_hash(key), precomputed by the caller; -1: compute here
+    capacity: int = 0  # router blocks the rank's GPU KV holds; 0: not known
     # outputs, set by score()
     credited: float = 0.0
     cost: float = math.inf
@@ -120,10 +134,12 @@ def _cost(c: Candidate, n: int, weights: ScoreWeights, credit: float, best: floa
     if active < 0:
         active = 0
     lacked = best - credit if best > credit else 0.0
-    cost = (
-        weights.overlap_weight * (prefill + n - credit + (weights.cache_credit - 1.0) * lacked)
-        + active
-    )
+    work = prefill + n - credit + (weights.cache_credit - 1.0) * lacked
+    if c.capacity > 0:
+        over = active + n - c.capacity
+        if over > 0:
+            work += weights.overflow_weight * over
+    cost = weights.overlap_weight * work + active
     s = c.scraped
     if s is not None:
         cost += (

@@ -9,7 +9,12 @@ import msgspec
 from indexer.events import DEFAULT_TIER_WEIGHTS
 from router.errors import config_check as _check
 
-__all__ = ["DEFAULT_CACHE_CREDIT", "DEFAULT_OVERLAP_WEIGHT", "ScoringSettings"]
+__all__ = [
+    "DEFAULT_CACHE_CREDIT",
+    "DEFAULT_OVERFLOW_WEIGHT",
+    "DEFAULT_OVERLAP_WEIGHT",
+    "ScoringSettings",
+]
 
 #: A block of prefill work (queued or the request's own) costs this many blocks held by running
 #: requests. Prefill is what a new request waits for; held blocks cost it only a per-step decode
@@ -26,10 +31,21 @@ DEFAULT_OVERLAP_WEIGHT = 16.0
 #: [4000,6000) 21.0 -> 23.7 %, synthetic [3000,3993) 66.9 -> 68.8 %, TTFT mean within 1 %.
 DEFAULT_CACHE_CREDIT = 8.0
 
+#: A block of the request that would not fit in the worker's KV cache beside the blocks its
+#: running requests hold costs this many blocks of prefill: it waits for a decode to end (or
+#: preempts one) and evicts what the cache kept. Off for a worker of unknown capacity (the
+#: index learns it from the worker's ``/metrics``). ``kvrouter replay``, virtual time, 8 workers
+#: of 128k tokens, conversation [0,2000): hit 5.0 -> 5.3 %, TTFT mean / p99 572 / 4,132 -> 562 /
+#: 4,043 ms, preemptions 14 -> 4; held out, [2000,4000): hit 5.1 -> 4.9 %, TTFT 534 / 3,517 ->
+#: 529 / 3,408 ms, preemptions 11 -> 1. At 256k and 1M it never binds (docs/replay.md, "Under
+#: cache pressure").
+DEFAULT_OVERFLOW_WEIGHT = 1.0
+
 
 class ScoringSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     overlap_weight: float = DEFAULT_OVERLAP_WEIGHT
     cache_credit: float = DEFAULT_CACHE_CREDIT
+    overflow_weight: float = DEFAULT_OVERFLOW_WEIGHT
     tier_weights: dict[str, float] = msgspec.field(
         default_factory=lambda: dict(DEFAULT_TIER_WEIGHTS)
     )
@@ -46,6 +62,7 @@ class ScoringSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     def __post_init__(self) -> None:
         _check(self.overlap_weight >= 0, "overlap_weight", "must be >= 0")
         _check(self.cache_credit >= 0, "cache_credit", "must be >= 0")
+        _check(self.overflow_weight >= 0, "overflow_weight", "must be >= 0")
         for tier, w in self.tier_weights.items():
             _check(0 <= w <= 1, f"tier_weights.{tier}", "must be between 0 and 1")
         if self.recompute_s_per_block is not None:

@@ -4,6 +4,7 @@ round robin on another fresh fleet; what each request saw, the engines' counters
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -52,3 +53,35 @@ def test_live_run_on_a_fresh_fleet(policy: str, tmp_path: Path) -> None:
         assert [o.worker for o in out] == [o.worker for o in out[:2]] * 3
         assert all(o.cached_tokens == 0 for o in out[:3]) and run.router_cpu_s is None
         assert [e.requests for e in run.engines] == [3, 3]
+
+
+#: not KVROUTER_...: the fleet's router reads those as its own settings
+SMG_PYTHON = os.environ.get("SMG_PYTHON", "")
+
+
+@pytest.mark.skipif(
+    not SMG_PYTHON,
+    reason="set SMG_PYTHON to a Python with smg installed (python3 -m venv /tmp/smg && "
+    "/tmp/smg/bin/pip install smg==1.13.0)",
+)
+def test_smg_starts_and_routes_twenty_requests(tmp_path: Path) -> None:
+    """smg 1.13 (SGLang's gateway) as the fleet's router: it registers both engines, routes 20
+    streamed requests, and sends each second turn where its first turn went (a full match)."""
+    spec = FleetSpec(workers=2, gpu_blocks=1024, block_size=BS, speedup=10.0, ready_timeout=90)
+    first = [f"conversation {c}: " + chr(65 + c) * 300 for c in range(10)]
+    reqs = [LiveRequest(0.05 * c, lambda p=p: p, 2) for c, p in enumerate(first)]
+    reqs += [
+        LiveRequest(4.0 + 0.05 * c, lambda p=p: p + " and then?" * 5, 2)
+        for c, p in enumerate(first)
+    ]
+    targets = LiveTargets(fleet=spec, smg_python=SMG_PYTHON)
+    with open(tmp_path / "children.log", "w") as log:
+        run = run_policy("smg", reqs, targets, speedup=2.0, log=log)
+    out = run.outcomes
+    for o in out:
+        assert o.error is None, (o.error, (tmp_path / "children.log").read_text()[-2000:])
+        assert o.ttft_s is not None and o.output_tokens == 2
+    assert sum(e.requests for e in run.engines) == 20
+    for a, b in zip(out[:10], out[10:]):
+        assert b.worker == a.worker and b.cached_tokens >= a.prompt_tokens // BS * BS > 0
+    assert run.router_cpu_s is not None and run.router_cpu_s > 0

@@ -126,7 +126,15 @@ def test_same_seed_same_table_and_every_policy_reported(tmp_path: Path, capsys) 
     second = _table(tmp_path, trace, "b")
     assert first["table"] == second["table"]
     policies = [r["policy"] for r in first["table"]]
-    assert policies == ["random", "round_robin", "least_load", "kvrouter", "cache_aware", "oracle"]
+    assert policies == [
+        "random",
+        "round_robin",
+        "least_load",
+        "kvrouter",
+        "cache_aware",
+        "smg",
+        "oracle",
+    ]
     assert all(r["ok"] == 36 and r["errors"] == 0 for r in first["table"])
     assert first["ideal"] == pytest.approx(ideal_hit(load_mooncake(trace), TB))
     by = {r["policy"]: r for r in first["table"]}

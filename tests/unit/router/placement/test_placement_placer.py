@@ -77,3 +77,30 @@ def test_a_dropped_worker_leaves_no_load_prediction_or_account() -> None:
     placer.drop_worker("a", [("a", 0)])
     assert len(placer.accounts) == 0 and len(placer.predicted) == 0
     assert placer.load.get(("a", 0)) is None
+
+
+def test_capacity_reaches_the_candidates_from_the_index() -> None:
+    placer, _ = build(("a", "b"))
+    placer.index.set_rank_capacity(("a", 0), {"GPU": 64, "CPU_PINNED": 1000})
+    d = placer.place(list(range(4 * BS)))
+    cap = {c.key[0]: c.capacity for c in d.candidates}
+    assert cap == {"a": 64, "b": 0}  # GPU blocks only; b reported none
+
+
+def test_a_request_goes_where_it_fits_beside_the_running_ones() -> None:
+    placer, _ = build(("a", "b"))
+    placer.index.set_rank_capacity(("a", 0), {"GPU": 40})
+    placer.index.set_rank_capacity(("b", 0), {"GPU": 64})
+    # a runs two requests of 12 blocks (26 blocks held with their decode blocks), b one of 30
+    # (31): a holds fewer, but a 16-block request fits only beside b's
+    for j, (w, n) in enumerate((("a", 12), ("a", 12), ("b", 30))):
+        prompt = list(range(1000 * (j + 1), 1000 * (j + 1) + n * BS))  # no block in common
+        d = placer.place(prompt)
+        i = next(k for k, c in enumerate(d.candidates) if c.key == (w, 0))
+        placer.fly(d, i, "proxy").first_byte()  # prefilled: decoding, holding its blocks
+    d = placer.place(list(range(40000, 40000 + 16 * BS)))
+    a, b = (next(c for c in d.candidates if c.key == (w, 0)) for w in ("a", "b"))
+    assert (a.active_blocks, b.active_blocks) == (26, 31)
+    assert d.candidates[d.order[0]].key == ("b", 0)
+    # a pays for the 2 blocks that do not fit beside its 26 in 40
+    assert a.cost - b.cost == placer.weights.overlap_weight * 2 + (26 - 31)

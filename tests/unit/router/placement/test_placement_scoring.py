@@ -61,6 +61,30 @@ def test_shared_blocks_are_not_charged_twice():
     assert score(idle, 101, W) == 101.0
 
 
+def test_blocks_that_do_not_fit_beside_the_running_ones_cost_prefill():
+    # 100 blocks of KV, 90 held by running requests (5 of them this request's prefix): a request
+    # of 20 blocks holds all 20 while it runs, 15 more than the 85 others leave room for: 5 over
+    c = Candidate(("a", 0), by_tier={"GPU": 5}, active_blocks=90, shared_active=5, capacity=100)
+    w = ScoreWeights(overlap_weight=2.0, cache_credit=1.0, overflow_weight=3.0)
+    # ow · (0 + 20 − 5 + 3 · 5) + (90 − 5)
+    assert score(c, 20, w) == pytest.approx(2 * (15 + 15) + 85)
+    roomy = Candidate(("b", 0), by_tier={"GPU": 5}, active_blocks=90, shared_active=5, capacity=105)
+    assert score(roomy, 20, w) == pytest.approx(2 * 15 + 85)  # it fits: nothing more
+    unknown = Candidate(("c", 0), by_tier={"GPU": 5}, active_blocks=90, shared_active=5)
+    assert score(unknown, 20, w) == pytest.approx(2 * 15 + 85)  # capacity not known: off
+    off = ScoreWeights(overlap_weight=2.0, cache_credit=1.0, overflow_weight=0.0)
+    assert score(c, 20, off) == pytest.approx(2 * 15 + 85)
+
+
+def test_a_full_worker_loses_to_one_with_room_at_equal_load():
+    # same queued prefill and held blocks; one has twice the KV: the request fits only there
+    small = Candidate(("small", 0), inflight_prefill=4.0, active_blocks=60, capacity=64)
+    large = Candidate(("large", 0), inflight_prefill=4.0, active_blocks=60, capacity=128)
+    cands = [small, large]
+    assert [cands[i].key[0] for i in rank(cands, 16, ScoreWeights())] == ["large", "small"]
+    assert small.cost - large.cost == pytest.approx(ScoreWeights().overlap_weight * 12)
+
+
 def test_scraped_load_blend():
     c = Candidate(("a", 0), scraped=ScrapedLoad(running=3, waiting=2, kv_usage=0.5))
     w = ScoreWeights(running_weight=1.0, waiting_weight=4.0, kv_usage_weight=10.0)
