@@ -84,6 +84,23 @@ def _parser() -> argparse.ArgumentParser:
         metavar="NAME=VALUE",
         help="sim runner timing override (repeatable), e.g. decode_d2=4e-5",
     )
+    v.add_argument(
+        "--router-replicas",
+        type=int,
+        default=1,
+        metavar="R",
+        help="policy kvrouter through R routers, each request to one at random (default 1); "
+        "R > 1 adds their row(s) after the one router's",
+    )
+    v.add_argument(
+        "--replica-sync",
+        choices=("on", "off", "both"),
+        default="on",
+        help="replicas apply each other's placements (default on; both: a row for each)",
+    )
+    v.add_argument(
+        "--sync-delay-ms", type=float, default=5.0, help="a placement reaches the peers late"
+    )
     g = p.add_argument_group("generated shared-prefix workload (--workload shared-prefix)")
     for name, default in vars(SharedPrefixSpec()).items():
         if name != "seed":
@@ -194,19 +211,35 @@ def _run_virtual(args: argparse.Namespace, reqs: list[TraceRequest], names: list
     )
     out = []
     for name in names:
-        tick = None if args.no_progress else Progress(name, len(reqs))
-        out.append(
-            run_virtual(
-                reqs,
-                name,
-                fleet,
-                trace_block=args.trace_block,
-                settings=settings,
-                seed=args.seed,
-                on_done=tick,
+        for replicas in _router_replicas(args) if name == "kvrouter" else [None]:
+            label = replicas.label if replicas is not None else name
+            tick = None if args.no_progress else Progress(label, len(reqs))
+            out.append(
+                run_virtual(
+                    reqs,
+                    name,
+                    fleet,
+                    trace_block=args.trace_block,
+                    settings=settings,
+                    seed=args.seed,
+                    on_done=tick,
+                    replicas=replicas,
+                )
             )
-        )
     return out
+
+
+def _router_replicas(args: argparse.Namespace) -> list[Any]:
+    """Policy kvrouter's runs: one router, then (``--router-replicas`` > 1) R of them, synced,
+    not synced, or both (:mod:`kvrouter.replay.replicas`)."""
+    from kvrouter.replay.replicas import RouterReplicas
+
+    one = RouterReplicas(1)
+    if args.router_replicas == 1:
+        return [one]
+    syncs = {"on": [True], "off": [False], "both": [True, False]}[args.replica_sync]
+    delay = args.sync_delay_ms / 1000
+    return [one, *(RouterReplicas(args.router_replicas, s, delay) for s in syncs)]
 
 
 def _run_live(args: argparse.Namespace, reqs: list[TraceRequest], names: list[str]) -> list:

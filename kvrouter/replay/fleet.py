@@ -19,6 +19,7 @@ descendants), so no psutil; on a system without ``/proc`` it is reported as unkn
 from __future__ import annotations
 
 import os
+import re
 import socket
 import threading
 import time
@@ -68,6 +69,10 @@ class EngineCounters:
     prompt_tokens: int
     cached_tokens: int
     preemptions: int
+
+
+#: one of ``kvrouter serve --processes N``'s processes serves (router.cli prints it)
+_PROCESS_READY = re.compile(r"kvrouter router process \d+ \(pid \d+\) listening on ")
 
 
 def wait_until(cond: Callable[[], Any], timeout: float, what: str) -> Any:
@@ -173,15 +178,28 @@ class Fleet:
             self.worker_specs.append(worker_spec(child.name, ready))
 
     def start_kvrouter(
-        self, config: str | None = None, env: dict[str, str] | None = None, *, epp: bool = False
+        self,
+        config: str | None = None,
+        env: dict[str, str] | None = None,
+        *,
+        epp: bool = False,
+        processes: int = 1,
     ) -> str:
-        """The router; with ``epp`` its endpoint picker too, on a free port (``epp_port``)."""
+        """The router; with ``epp`` its endpoint picker too, on a free port (``epp_port``); with
+        ``processes`` > 1, ``kvrouter serve --processes N``: N synced replicas on one port, the
+        kernel spreading connections, ready once every one of them listens."""
         argv = router_argv(self.worker_specs, block_size=self.spec.block_size)
         argv += ["--log-level", "warning", *(["--config", config] if config else [])]
+        if processes > 1:
+            if epp:  # (its EPP line and the processes' lines would race for wait_line)
+                raise UpError("the fleet's router runs as one process when it serves EPP")
+            argv += ["--processes", str(processes)]
         if epp:
             env = {**EPP_ENV, **(env or {})}
         child = self._spawn("router", argv, env)
         url = child.wait_line(ROUTER_READY, self.spec.ready_timeout, self._stop).group(1)
+        for _ in range(processes - 1):  # (the first one's line came before ROUTER_READY)
+            child.wait_line(_PROCESS_READY, self.spec.ready_timeout, self._stop)
         if epp:  # (printed right after the HTTP listener's line)
             ready = child.wait_line(EPP_READY, self.spec.ready_timeout, self._stop)
             self.epp_port = int(ready.group(2))

@@ -72,6 +72,8 @@ class LiveTargets:
     router_pid: int = 0
     #: the Envoy binary for policy kvrouter-epp (kvrouter.gateway.envoy_binary; None: not needed)
     envoy_bin: str | None = None
+    #: the fleet's kvrouter as ``kvrouter serve --processes N``: N synced replicas on one port
+    router_processes: int = 1
 
 
 @dataclass
@@ -108,9 +110,13 @@ def run_policy(
     with Fleet(targets.fleet, log=log) as fleet:
         router: str | None = None
         client: ClientPolicy | None = None
+        n = 1
         if policy in ("kvrouter", EPP_POLICY):
             epp = policy == EPP_POLICY
-            router = fleet.start_kvrouter(targets.router_config, targets.router_env, epp=epp)
+            n = 1 if epp else targets.router_processes  # (the EPP is process 0's alone)
+            router = fleet.start_kvrouter(
+                targets.router_config, targets.router_env, epp=epp, processes=n
+            )
             if epp:  # the client calls Envoy, which asks the router's EPP
                 router = fleet.start_gateway(targets.envoy_bin)
         elif policy == "sglang":
@@ -140,7 +146,8 @@ def run_policy(
         cpu1, gw1 = fleet.router_cpu(), fleet.gateway_cpu()
         cpu = cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None
         gw = gw1 - gw0 if gw0 is not None and gw1 is not None else None
-        return PolicyRun(policy, outcomes, wall, cpu, fleet.counters(), gateway_cpu_s=gw)
+        label = policy if policy != "kvrouter" or n == 1 else f"kvrouter ({n} processes)"
+        return PolicyRun(label, outcomes, wall, cpu, fleet.counters(), gateway_cpu_s=gw)
 
 
 def _run_external(
@@ -225,6 +232,14 @@ def add_live_arguments(p: argparse.ArgumentParser) -> None:
         help="an OpenAI worker for the client-side policies (repeatable); none: a fresh fleet",
     )
     a("--router-pid", type=int, default=0, help="pid whose CPU counts as the given router's")
+    a(
+        "--router-processes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="the fleet's kvrouter as N synced processes on one port (kvrouter serve "
+        "--processes N; default 1); its row is named 'kvrouter (N processes)'",
+    )
     a("--router-config", help="router YAML for the fleet's kvrouter (weights, knobs)")
     a(
         "--router-env",
@@ -267,6 +282,10 @@ def targets_from_args(
             envoy_bin = envoy_binary(args.envoy_bin)
         except GatewayError as e:
             raise ValueError(str(e)) from e
+    if args.router_processes < 1:
+        raise ValueError(f"--router-processes must be at least 1, got {args.router_processes}")
+    if args.router_processes > 1 and external:
+        raise ValueError("--router-processes starts the fleet's own router: not with --*-url")
     fleet = None
     if not external:
         fleet = FleetSpec(
@@ -289,6 +308,7 @@ def targets_from_args(
         router_env=dict(args.router_env),
         router_pid=args.router_pid,
         envoy_bin=envoy_bin,
+        router_processes=args.router_processes,
     )
 
 

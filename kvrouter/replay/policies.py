@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -38,6 +38,9 @@ from kvrouter.replay.trace import leading_run
 from router.fleet.registry import Registry
 from router.placement import Placer
 from router.settings import Settings, WorkerConfig
+
+if TYPE_CHECKING:
+    from kvrouter.replay.replicas import RouterReplicas
 
 __all__ = ["VIRTUAL_POLICIES", "Policy", "make_policy"]
 
@@ -251,7 +254,9 @@ def make_policy(
     seed: int,
     settings: Settings,
     clock: Callable[[], float],
+    replicas: RouterReplicas | None = None,
 ) -> Policy:
+    """``replicas``: policy ``kvrouter`` through several routers (:mod:`kvrouter.replay.replicas`)."""
     if name == "random":
         return RandomPolicy(engines, seed)
     if name == "round_robin":
@@ -259,6 +264,10 @@ def make_policy(
     if name == "least_load":
         return LeastLoadPolicy(engines)
     if name == "kvrouter":
+        if replicas is not None and replicas.count > 1:
+            from kvrouter.replay.replicas import ReplicatedKvrouterPolicy  # builds on this module
+
+            return ReplicatedKvrouterPolicy(engines, settings, clock, replicas, seed)
         return KvrouterPolicy(engines, settings, clock)
     if name == "cache_aware":
         return CacheAwarePolicy(engines)

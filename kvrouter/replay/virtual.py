@@ -35,6 +35,7 @@ from engine.sequence import Request
 from kvrouter.replay.fleet import EngineCounters
 from kvrouter.replay.live_client import LiveOutcome
 from kvrouter.replay.policies import make_policy
+from kvrouter.replay.replicas import RouterReplicas
 from kvrouter.replay.trace import TraceRequest, check_block_sizes, prompt_tokens
 from router.settings import Settings
 
@@ -110,11 +111,13 @@ def run_virtual(
     settings: Settings | None = None,
     seed: int = 0,
     on_done: Callable[[LiveOutcome], None] | None = None,
+    replicas: RouterReplicas | None = None,
 ) -> VirtualRun:
-    """Replay ``requests`` through ``policy_name`` on a fresh virtual fleet."""
+    """Replay ``requests`` through ``policy_name`` on a fresh virtual fleet (``replicas``: policy
+    kvrouter through several routers, its row named by :attr:`RouterReplicas.label`)."""
     check_block_sizes(trace_block, fleet.block_size, requests)
     t_wall = time.perf_counter()
-    sim = _Sim(requests, policy_name, fleet, trace_block, settings, seed, on_done)
+    sim = _Sim(requests, policy_name, fleet, trace_block, settings, seed, on_done, replicas)
     try:
         end = sim.run()
     finally:
@@ -132,9 +135,8 @@ def run_virtual(
         )
         engine.close()
     first = requests[0].arrival_s if requests else 0.0
-    return VirtualRun(
-        policy_name, sim.outcomes, end - first, time.perf_counter() - t_wall, counters
-    )
+    label = replicas.label if replicas is not None and policy_name == "kvrouter" else policy_name
+    return VirtualRun(label, sim.outcomes, end - first, time.perf_counter() - t_wall, counters)
 
 
 class _Sim:
@@ -149,6 +151,7 @@ class _Sim:
         settings: Settings | None,
         seed: int,
         on_done: Callable[[LiveOutcome], None] | None,
+        replicas: RouterReplicas | None = None,
     ) -> None:
         self.requests = requests
         self.trace_block = trace_block
@@ -162,6 +165,7 @@ class _Sim:
             seed=seed,
             settings=settings or Settings(block_size=fleet.block_size),
             clock=self.clock,
+            replicas=replicas,
         )
         self.outcomes = [LiveOutcome(i) for i in range(len(requests))]
         self.handles: dict[int, object] = {}
