@@ -28,15 +28,14 @@ import re
 import shutil
 import subprocess
 import tempfile
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
 import httpx
 import yaml
 
-from kvrouter.up import UpError
+from kvrouter.up import UpError, wait_until
 
 __all__ = [
     "DIRECT",
@@ -189,17 +188,6 @@ def envoy_binary(given: str | None = None, environ: Mapping[str, str] = os.envir
     return path
 
 
-def _wait(cond: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise GatewayError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.02)
-
-
 class EnvoyProcess:
     """One Envoy on ``config`` (:func:`render`'s), in ``workdir`` (default: a temporary one):
     ``with EnvoyProcess(config) as envoy: httpx.post(envoy.url + ...)``. Its output goes to
@@ -271,9 +259,11 @@ class EnvoyProcess:
             stdin=subprocess.DEVNULL,
         )  # fmt: skip
         try:
-            address = _wait(self._admin_address, self.ready_timeout, "Envoy's admin address")
+            address = wait_until(
+                self._admin_address, self.ready_timeout, "Envoy's admin address", every=0.02
+            )
             self.admin = f"http://{address}"
-            _wait(self._ready, self.ready_timeout, "Envoy's admin /ready")
+            wait_until(self._ready, self.ready_timeout, "Envoy's admin /ready", every=0.02)
             listeners = httpx.get(self.admin + "/listeners?format=json", timeout=5).json()
             for status in listeners["listener_statuses"]:
                 bound = status["local_address"]["socket_address"]

@@ -21,11 +21,11 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import TextIO
+from typing import Any, TextIO
 
 __all__ = [
     "ENGINE_READY",
@@ -87,6 +87,19 @@ class Child:
             m = pattern.search(line)
             if m:
                 return m
+
+
+def wait_until(cond: Callable[[], Any], timeout: float, what: str, every: float = 0.05) -> Any:
+    """Poll ``cond`` until it returns something true (returned); :class:`UpError` after
+    ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise UpError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(every)
 
 
 def build_parser() -> argparse.ArgumentParser:

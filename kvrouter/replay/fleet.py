@@ -22,8 +22,7 @@ import os
 import re
 import socket
 import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -41,6 +40,7 @@ from kvrouter.up import (
     router_argv,
     spawn,
     stop_children,
+    wait_until,
     worker_spec,
 )
 
@@ -73,18 +73,6 @@ class EngineCounters:
 
 #: one of ``kvrouter serve --processes N``'s processes serves (router.cli prints it)
 _PROCESS_READY = re.compile(r"kvrouter router process \d+ \(pid \d+\) listening on ")
-
-
-def wait_until(cond: Callable[[], Any], timeout: float, what: str) -> Any:
-    """Poll ``cond`` until it returns something true; :class:`UpError` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise UpError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.05)
 
 
 def cpu_seconds(pid: int) -> float | None:
