@@ -3,7 +3,10 @@ servers on 127.0.0.1 (port 0) in the test's event loop."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -14,6 +17,23 @@ from router_fakeworker import FakeWorker, ServerHandle, wait_for
 from router.edge.app import create_app
 from router.runtime import Runtime
 from router.settings import load_settings
+
+
+@pytest.fixture
+def cert(tmp_path: Path) -> tuple[str, str]:
+    """A self-signed certificate and key (PEM paths) for ``IP:127.0.0.1``, made by the
+    ``openssl`` command: the TLS tests' worker and endpoint picker serve it, their clients trust
+    it as the CA. No openssl is a failure, not a skip: these tests are the TLS checks."""
+    openssl = shutil.which("openssl")
+    assert openssl is not None, "the TLS tests need the openssl command"
+    crt, key = tmp_path / "test.crt", tmp_path / "test.key"
+    subprocess.run(
+        [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=kvrouter-test", "-addext", "subjectAltName=IP:127.0.0.1",
+         "-keyout", str(key), "-out", str(crt)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return str(crt), str(key)
 
 
 class RouterHandle:

@@ -1,30 +1,14 @@
 """``https://`` workers: verified against ``proxy.ca_file`` (a private CA), refused otherwise.
 
 The worker is a real uvicorn server speaking TLS on 127.0.0.1 with a certificate made here by
-the ``openssl`` command (its own CA, for ``IP:127.0.0.1``)."""
+the ``openssl`` command (its own CA, for ``IP:127.0.0.1``: the ``cert`` fixture of conftest)."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 from router_fakeworker import wait_for
-
-pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
-
-
-@pytest.fixture
-def cert(tmp_path: Path) -> tuple[str, str]:
-    crt, key = tmp_path / "worker.crt", tmp_path / "worker.key"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-subj", "/CN=kvrouter-test-worker", "-addext", "subjectAltName=IP:127.0.0.1",
-         "-keyout", str(key), "-out", str(crt)],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    return str(crt), str(key)
 
 
 async def test_https_worker_with_its_ca_is_proxied_and_checked(workers, router, http, cert):

@@ -9,10 +9,8 @@ import json
 import logging
 import os
 import re
-import shutil
 import signal
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -65,20 +63,6 @@ async def test_one_access_line_per_stream(workers, epp, caplog):
     assert fields["method"] == "POST" and fields["path"] == "/v1/completions"
     assert fields["status"] == 200 and fields["worker"] == "a"
     assert fields["request_id"] == "rq-42"
-
-
-@pytest.fixture
-def cert(tmp_path: Path) -> tuple[str, str]:
-    if shutil.which("openssl") is None:
-        pytest.skip("needs openssl")
-    crt, key = tmp_path / "epp.crt", tmp_path / "epp.key"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-subj", "/CN=kvrouter-test-epp", "-addext", "subjectAltName=IP:127.0.0.1",
-         "-keyout", str(key), "-out", str(crt)],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    return str(crt), str(key)
 
 
 async def test_tls_round_trip(workers, epp, cert):
