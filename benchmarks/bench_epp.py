@@ -231,11 +231,10 @@ def stats(xs: list[float]) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    import httpx
 
     from kvrouter.gateway import EPP_ENV, EPP_READY, EnvoyProcess, load, render
-    from kvrouter.replay.fleet import cpu_seconds, wait_until
-    from kvrouter.up import ROUTER_READY, router_argv, spawn, stop_children
+    from kvrouter.replay.fleet import cpu_seconds
+    from kvrouter.up import ROUTER_READY, answers_ok, router_argv, spawn, stop_children, wait_until
 
     stop = threading.Event()
     tmp = Path(tempfile.mkdtemp(prefix="bench-epp-"))
@@ -263,13 +262,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             children.append(floor)
             floor_port = int(floor.wait_line(EPP_READY, 60, stop).group(2))
 
-        def ready() -> bool:
-            try:
-                return httpx.get(router_url + "/ready", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_until(ready, 60, "the router's /ready")
+        wait_until(lambda: answers_ok(router_url + "/ready"), 60, "the router's /ready")
         config = render(load(), epp=("127.0.0.1", epp_port), direct=(host, int(port)))
         if floor is not None:
             add_floor(config, ("127.0.0.1", floor_port))

@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import shutil
 import sys
 import tempfile
@@ -57,7 +56,6 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_epp import UPSTREAM_READY, Conn, _loop, bodies, stats  # noqa: E402
 
 #: one of ``--processes N``'s processes serves (router.cli prints it)
-PROCESS_READY = re.compile(r"kvrouter router process \d+ \(pid \d+\) listening on ")
 
 
 async def load(url: str, body: bytes, conc: int, warmup: float, seconds: float, cpu: Any) -> dict:
@@ -94,10 +92,17 @@ async def load(url: str, body: bytes, conc: int, warmup: float, seconds: float, 
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    import httpx
 
-    from kvrouter.replay.fleet import cpu_seconds, wait_until
-    from kvrouter.up import ROUTER_READY, router_argv, spawn, stop_children
+    from kvrouter.replay.fleet import cpu_seconds
+    from kvrouter.up import (
+        PROCESS_READY,
+        ROUTER_READY,
+        answers_ok,
+        router_argv,
+        spawn,
+        stop_children,
+        wait_until,
+    )
 
     stop = threading.Event()
     tmp = Path(tempfile.mkdtemp(prefix="bench-processes-"))
@@ -119,13 +124,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             for _ in range(n - 1):
                 router.wait_line(PROCESS_READY, 60, stop)
 
-            def ready(url: str = url) -> bool:
-                try:
-                    return httpx.get(url + "/ready", timeout=2).status_code == 200
-                except httpx.HTTPError:
-                    return False
-
-            wait_until(ready, 60, "the router's /ready")
+            wait_until(lambda url=url: answers_ok(url + "/ready"), 60, "the router's /ready")
             pid = router.proc.pid
             cell = _loop(
                 load(

@@ -35,7 +35,7 @@ from typing import IO, Any
 import httpx
 import yaml
 
-from kvrouter.up import UpError, wait_until
+from kvrouter.up import UpError, answers_ok, wait_until
 
 __all__ = [
     "DIRECT",
@@ -285,10 +285,7 @@ class EnvoyProcess:
 
     def _ready(self) -> bool:
         self._alive()
-        try:
-            return httpx.get(self.admin + "/ready", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
+        return answers_ok(self.admin + "/ready")
 
     def output(self) -> str:
         """What Envoy printed so far."""

@@ -27,6 +27,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
+import httpx
+
 __all__ = [
     "ENGINE_READY",
     "ROUTER_READY",
@@ -42,6 +44,8 @@ __all__ = [
 
 ENGINE_READY = re.compile(r"kvrouter engine ready http=(\S+) events=(\S+) replay=(\S+)")
 ROUTER_READY = re.compile(r"kvrouter router listening on (http://\S+)")
+#: each process of ``kvrouter serve --processes N`` prints this once it serves (router.cli)
+PROCESS_READY = re.compile(r"kvrouter router process \d+ \(pid \d+\) listening on ")
 
 
 class UpError(RuntimeError):
@@ -87,6 +91,14 @@ class Child:
             m = pattern.search(line)
             if m:
                 return m
+
+
+def answers_ok(url: str, timeout: float = 2.0) -> bool:
+    """Whether ``GET url`` answers 200 now (any HTTP error: no)."""
+    try:
+        return httpx.get(url, timeout=timeout).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def wait_until(cond: Callable[[], Any], timeout: float, what: str, every: float = 0.05) -> Any:

@@ -19,7 +19,6 @@ descendants), so no psutil; on a system without ``/proc`` it is reported as unkn
 from __future__ import annotations
 
 import os
-import re
 import socket
 import threading
 from collections.abc import Sequence
@@ -33,9 +32,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvrouter.gateway import EPP_ENV, EPP_READY, EnvoyProcess, load, render
 from kvrouter.up import (
     ENGINE_READY,
+    PROCESS_READY,
     ROUTER_READY,
     Child,
     UpError,
+    answers_ok,
     engine_argv,
     router_argv,
     spawn,
@@ -69,10 +70,6 @@ class EngineCounters:
     prompt_tokens: int
     cached_tokens: int
     preemptions: int
-
-
-#: one of ``kvrouter serve --processes N``'s processes serves (router.cli prints it)
-_PROCESS_READY = re.compile(r"kvrouter router process \d+ \(pid \d+\) listening on ")
 
 
 def cpu_seconds(pid: int) -> float | None:
@@ -187,11 +184,11 @@ class Fleet:
         child = self._spawn("router", argv, env)
         url = child.wait_line(ROUTER_READY, self.spec.ready_timeout, self._stop).group(1)
         for _ in range(processes - 1):  # (the first one's line came before ROUTER_READY)
-            child.wait_line(_PROCESS_READY, self.spec.ready_timeout, self._stop)
+            child.wait_line(PROCESS_READY, self.spec.ready_timeout, self._stop)
         if epp:  # (printed right after the HTTP listener's line)
             ready = child.wait_line(EPP_READY, self.spec.ready_timeout, self._stop)
             self.epp_port = int(ready.group(2))
-        wait_until(lambda: _status(url + "/ready") == 200, self.spec.ready_timeout, "router /ready")
+        wait_until(lambda: answers_ok(url + "/ready"), self.spec.ready_timeout, "router /ready")
         self.router_url, self.router_pid = url, child.proc.pid
         return url
 
@@ -259,13 +256,6 @@ def engine_counters(url: str) -> EngineCounters:
         cached_tokens=int(values.get("vllm:prefix_cache_hits_total", 0)),
         preemptions=int(values.get("vllm:num_preemptions_total", 0)),
     )
-
-
-def _status(url: str) -> int:
-    try:
-        return httpx.get(url, timeout=2).status_code
-    except httpx.HTTPError:
-        return 0
 
 
 def _json(url: str) -> dict[str, Any] | None:
