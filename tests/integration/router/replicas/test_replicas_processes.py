@@ -11,7 +11,7 @@ import signal
 from typing import Any
 
 import httpx
-from replica_procs import RouterProc, candidate, metrics, ready, route, until
+from replica_procs import RouterProc, candidate, metric, metrics, ready, route, until
 
 BS = 16
 
@@ -66,7 +66,11 @@ async def test_processes_share_one_port_sync_and_are_restarted(workers, http, tm
 
             await until(both, 30, "both processes answer on the shared port")
 
-        # synced: a prefix placed (accounted) by process 0 is predicted in process 1
+        # synced: a prefix placed (accounted) by process 0 is predicted in process 1, once 1
+        # hears 0 (a PUB drops what it sends before its subscriber's connection is up)
+        await until(
+            lambda: metric(http, own1, "kvrouter_replica_peers"), 30, "process 1 hears process 0"
+        )
         prompt = toks(1, 20)
         first = await route(http, own0, prompt, account=True)
         w = first["worker_id"]
