@@ -6,7 +6,7 @@ import json
 import random
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from indexer import hashing
@@ -19,6 +19,8 @@ pytestmark = pytest.mark.skipif(
 tokens = st.lists(st.one_of(st.integers(0, 300_000), st.integers(-(2**63), 2**70)), max_size=80)
 
 
+# no per-example deadline: the first example loads the C layer, and a loaded CI machine is slow
+@settings(deadline=None)
 @given(tokens, st.integers(1, 17), st.integers(0, 2**64 - 1))
 def test_c_matches_python(toks: list[int], bs: int, parent: int) -> None:
     assert chain_hashes(toks, bs, parent) == py_chain_hashes(toks, bs, parent)
@@ -120,6 +122,8 @@ json_tokens = st.lists(
 )
 
 
+# no per-example deadline: the first example loads the C layer, and a loaded CI machine is slow
+@settings(deadline=None)
 @given(
     json_tokens,
     st.data(),
@@ -154,6 +158,8 @@ def test_json_plain_arrays_hash_like_the_list(
         _check_json(text[:at] + bytes([byte]) + text[at + 1 :], bs, parent)
 
 
+# no per-example deadline: the first example loads the C layer, and a loaded CI machine is slow
+@settings(deadline=None)
 @given(st.binary(max_size=40), st.text(alphabet="0123456789, \t\n[]-.e", max_size=60))
 def test_json_arbitrary_bytes_judged_like_the_reference(raw: bytes, text: str) -> None:
     _check_json(raw)
