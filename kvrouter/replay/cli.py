@@ -32,6 +32,7 @@ from kvrouter.replay.trace import (
     pooled_lru_hit,
     prompt_text,
     shared_prefix,
+    spread_ties,
 )
 from router.errors import ConfigError
 
@@ -56,6 +57,14 @@ def _parser() -> argparse.ArgumentParser:
     a("--start", type=int, default=0, help="first trace record (default 0)")
     a("--count", type=int, default=None, help="records to replay (default: all)")
     a("--trace-block", type=int, default=512, help="tokens per trace hash id (default 512)")
+    a(
+        "--arrival-spread-ms",
+        type=float,
+        default=0.0,
+        metavar="W",
+        help="requests sharing a timestamp arrive evenly over the next W ms instead of at once "
+        "(default 0: as the trace says; conversation's timestamps come in 3,000 ms steps)",
+    )
     a("--policies", help=f"comma-separated (virtual: {VIRTUAL_DEFAULT}; live: {LIVE_DEFAULT})")
     a("--config", help="router YAML whose scoring policy kvrouter uses")
     a("--seed", type=int, default=0)
@@ -117,7 +126,10 @@ def _workload(args: argparse.Namespace) -> list[TraceRequest]:
         return reqs[args.start : None if args.count is None else args.start + args.count]
     if not args.trace:
         raise TraceError("give --trace FILE (or --workload shared-prefix)")
-    return load_mooncake(args.trace, args.start, args.count)
+    if args.arrival_spread_ms < 0:
+        raise TraceError(f"--arrival-spread-ms must not be negative, got {args.arrival_spread_ms}")
+    reqs = load_mooncake(args.trace, args.start, args.count)
+    return spread_ties(reqs, args.arrival_spread_ms / 1000)
 
 
 def _sim_options(items: Sequence[str]) -> dict[str, float]:

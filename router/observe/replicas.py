@@ -23,6 +23,8 @@ class ReplicaStats:
     received: int = 0
     gaps: int = 0
     peers: int = 0
+    #: this replica's lane among the replicas it hears (0 alone)
+    lane: int = 0
     remote_tickets: int = 0
     #: sync messages or events dropped, by reason
     dropped: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -72,6 +74,12 @@ class ReplicaCollector(Collector):
         for name, doc, v in (
             ("kvrouter_replica_remote_tickets", "peers' tickets live here", s.remote_tickets),
             ("kvrouter_replica_peers", "peer replicas heard within peer_timeout_s", s.peers),
+            (
+                "kvrouter_replica_lane",
+                "this replica's lane among the replicas it hears: which of the near-best workers "
+                "it takes first (scoring.replica_spread); 0 alone",
+                s.lane,
+            ),
         ):
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], v)

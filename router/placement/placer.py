@@ -112,7 +112,11 @@ class Placer:
             kv_usage_weight=sc.kv_usage_weight,
             cache_credit=sc.cache_credit,
             overflow_weight=sc.overflow_weight,
+            replica_spread=sc.replica_spread,
         )
+        #: (lane, replicas heard): set by replica sync; lane k > 0 takes the k-th near-best
+        #: worker first (router.placement.scoring.rank)
+        self.lane = (0, 1)
         self.temperature = sc.temperature
         self.rng = rng if rng is not None else random.Random(sc.seed)
         self.load = LoadLedger()
@@ -221,6 +225,7 @@ class Placer:
             request_key=request_key,
             temperature=self.temperature,
             rng=self.rng,
+            lane=self.lane,
         )
         self.metrics.decided(self.timer() - t0)
         return Decision(n, candidates, cand_hashes, order, cand_states, index.block_size, count)

@@ -36,6 +36,13 @@ weights for them are configured. The minimum cost wins; ties break on less load,
 of the request and worker, so equal requests place the same way in every router replica. With a
 temperature ``T > 0`` the first choice is sampled from ``softmax(−cost'/T)`` over costs normalized
 to [0, 1]; the others follow in cost order (they are the retry order).
+
+Router replicas that sync (docs/architecture.md §9) hold the same view once a sync has landed,
+so inside one sync delay — a burst of arrivals — every replica would take the same worker. Each
+has a *lane* (its place among the replicas it hears; 0 alone): lane ``k > 0`` takes first the
+``k``-th (mod their count) of the workers whose cost is within ``replica_spread · overlap_weight
+· (n − c(best))`` of the best, the request's own prefill at the best worker scaled — a worker the
+one router would have taken had a same-instant request taken the best. Lane 0 is unchanged.
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ from router.settings.scoring import (
     DEFAULT_CACHE_CREDIT,
     DEFAULT_OVERFLOW_WEIGHT,
     DEFAULT_OVERLAP_WEIGHT,
+    DEFAULT_REPLICA_SPREAD,
 )
 from router.types import ScrapedLoad, WorkerKey, worker_hash
 
@@ -77,6 +85,7 @@ class ScoreWeights(msgspec.Struct, frozen=True):
     kv_usage_weight: float = 0.0
     cache_credit: float = DEFAULT_CACHE_CREDIT
     overflow_weight: float = DEFAULT_OVERFLOW_WEIGHT
+    replica_spread: float = DEFAULT_REPLICA_SPREAD
 
     def tier_weight(self, tier: str) -> float:
         """Unknown tiers are scored like EXTERNAL (docs/architecture.md §2), never like GPU."""
@@ -169,6 +178,7 @@ def rank(
     request_key: int = 0,
     temperature: float = 0.0,
     rng: random.Random | None = None,
+    lane: tuple[int, int] = (0, 1),
 ) -> list[int]:
     """Score every candidate; return the indices of the healthy ones, best first.
 
@@ -199,7 +209,31 @@ def rank(
         if j - k > 1:
             order[k:j] = sorted(order[k:j], key=lambda i: (_tie(candidates[i], request_key), i))
         k = j
+    if lane[0] and lane[1] > 1 and m > 1 and weights.replica_spread > 0:
+        order = _in_lane(order, healthy, candidates[order[0]], n, weights, lane[0])
     return _tempered(order, candidates, temperature, rng)
+
+
+def _in_lane(
+    order: list[int],
+    healthy: Sequence[tuple[float, float, int]],
+    best: Candidate,
+    n: int,
+    weights: ScoreWeights,
+    lane: int,
+) -> list[int]:
+    """Replica ``lane``'s first choice: the ``lane``-th (mod their count) of the workers whose
+    cost is within ``replica_spread`` of this request's own prefill of the best (healthy is
+    sorted by cost, as ``order``)."""
+    own = n - best.credited
+    limit = healthy[0][0] + weights.replica_spread * weights.overlap_weight * max(1.0, own)
+    near = 1
+    while near < len(healthy) and healthy[near][0] <= limit:
+        near += 1
+    pick = lane % near
+    if pick:
+        order.insert(0, order.pop(pick))
+    return order
 
 
 def _tempered(

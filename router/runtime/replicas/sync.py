@@ -161,6 +161,7 @@ class ReplicaSync:
                 return
             self._peers[m.origin] = [m.seq, now]
             log.info("replica sync: peer %s joined (seq %d)", m.origin, m.seq)
+            self._relane()
         else:
             last = int(peer[0])
             if m.seq <= last:
@@ -179,6 +180,14 @@ class ReplicaSync:
             del self._peers[origin]
             n = self.placer.remote.drop_origin(origin)
             log.info("replica sync: peer %s silent, %d of its tickets ended", origin, n)
+            self._relane()
+
+    def _relane(self) -> None:
+        """This replica's lane: its place among the sorted origins it hears, its own included.
+        Replicas that hear each other sort the same origins, so each takes a different lane
+        (:func:`router.placement.scoring.rank`)."""
+        origins = sorted([self.origin, *self._peers])
+        self.placer.lane = (origins.index(self.origin), len(origins))
 
     # ------------------------------------------------------------ lifecycle
 
@@ -306,6 +315,7 @@ class ReplicaSync:
             received=self.received,
             gaps=self.gaps,
             peers=len(self._peers),
+            lane=self.placer.lane[0],
             remote_tickets=len(remote),
             dropped={**self.dropped, **remote.dropped},
             ended=dict(remote.ended),

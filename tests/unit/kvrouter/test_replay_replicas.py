@@ -17,11 +17,16 @@ from kvrouter.replay.live import add_live_arguments, targets_from_args
 from kvrouter.replay.replicas import RouterReplicas
 from kvrouter.replay.trace import TraceRequest
 from kvrouter.replay.virtual import VirtualFleet, run_virtual
+from router.settings import load_settings
 
 TB = 64
 #: the index hears of a cache 10 s late: only the replicas' own predictions steer follow-ups
 LATE_EVENTS = VirtualFleet(workers=2, block_size=16, gpu_blocks=1024, event_delay_s=10.0)
 FLEET3 = VirtualFleet(workers=3, block_size=16, gpu_blocks=1024)
+#: lanes off: synced replicas then take the one router's choice, not a near-best one by lane
+NO_LANES = load_settings(
+    environ={}, overrides={"workers": [], "block_size": 16, "scoring": {"replica_spread": 0}}
+)
 
 
 def _conversations(n: int = 12) -> list[TraceRequest]:
@@ -54,25 +59,29 @@ def test_synced_replicas_follow_a_peers_prefix_and_unsynced_ones_miss() -> None:
 
 def test_synced_replicas_without_delay_place_exactly_as_one_router() -> None:
     """Each replica's index is fed the same events and every peer placement is applied before
-    the next decision: four replicas are one router, whichever of them a request reaches."""
+    the next decision: with lanes off, four replicas are one router, whichever of them a request
+    reaches; with lanes (the default), replicas past lane 0 take near-best workers instead."""
     reqs = [
         TraceRequest(0.05 * (i // 3), (i % 5, 50 + i % 7, 90 + i), 3 * TB, 4) for i in range(60)
     ]
-    one = run_virtual(reqs, "kvrouter", FLEET3, trace_block=TB)
-    four = run_virtual(
-        reqs, "kvrouter", FLEET3, trace_block=TB, replicas=RouterReplicas(4, True, 0)
-    )
-    assert [o.worker for o in four.outcomes] == [o.worker for o in one.outcomes]
-    assert [o.cached_tokens for o in four.outcomes] == [o.cached_tokens for o in one.outcomes]
+    four = RouterReplicas(4, True, 0)
+    one = run_virtual(reqs, "kvrouter", FLEET3, trace_block=TB, settings=NO_LANES)
+    same = run_virtual(reqs, "kvrouter", FLEET3, trace_block=TB, settings=NO_LANES, replicas=four)
+    assert [o.worker for o in same.outcomes] == [o.worker for o in one.outcomes]
+    assert [o.cached_tokens for o in same.outcomes] == [o.cached_tokens for o in one.outcomes]
     assert len({o.worker for o in one.outcomes}) == 3 and sum(o.cached_tokens for o in one.outcomes)
+    laned = run_virtual(reqs, "kvrouter", FLEET3, trace_block=TB, replicas=four)
+    assert [o.worker for o in laned.outcomes] != [o.worker for o in one.outcomes]
 
 
 def test_a_sync_slower_than_the_run_is_no_sync() -> None:
     reqs = _conversations(6)
     late = RouterReplicas(3, True, 60.0)
     never = RouterReplicas(3, False)
-    a = run_virtual(reqs, "kvrouter", LATE_EVENTS, trace_block=TB, replicas=late)
-    b = run_virtual(reqs, "kvrouter", LATE_EVENTS, trace_block=TB, replicas=never)
+    # (lanes off: unsynced replicas do not know each other, so they have none)
+    kw = {"trace_block": TB, "settings": NO_LANES}
+    a = run_virtual(reqs, "kvrouter", LATE_EVENTS, replicas=late, **kw)
+    b = run_virtual(reqs, "kvrouter", LATE_EVENTS, replicas=never, **kw)
     assert [o.worker for o in a.outcomes] == [o.worker for o in b.outcomes]
     assert [o.cached_tokens for o in a.outcomes] == [o.cached_tokens for o in b.outcomes]
 

@@ -171,6 +171,8 @@ def test_bad_inputs_are_named(tmp_path: Path, capsys) -> None:
     assert "unknown virtual-time policy 'sglang'" in capsys.readouterr().err
     assert main(["--no-progress"]) == 2
     assert "give --trace" in capsys.readouterr().err
+    assert main(["--trace", str(good), "--arrival-spread-ms", "-1", "--no-progress"]) == 2
+    assert "--arrival-spread-ms must not be negative" in capsys.readouterr().err
     with pytest.raises(TraceError, match="no records"):
         load_mooncake(good, start=10)
 
@@ -205,3 +207,19 @@ def test_error_kinds_say_what_failed_most_often_first() -> None:
     run = SimpleNamespace(policy="kvrouter", outcomes=outs, engines=[])
     assert error_kinds(run) == {"HTTP 504: worker timed out": 2, "HTTP 502: worker failed": 1}
     assert list(error_kinds(run, limit=1)) == ["HTTP 504: worker timed out"]
+
+
+def test_requests_sharing_a_timestamp_can_be_spread_over_the_trace_s_step() -> None:
+    from kvrouter.replay.trace import TraceRequest, spread_ties
+
+    reqs = [TraceRequest(t, (i,), 64, 1) for i, t in enumerate((0.0, 0.0, 0.0, 3.0, 3.0, 4.0))]
+    out = spread_ties(reqs, 3.0)
+    assert [(r.arrival_s, r.hash_ids[0]) for r in out] == [
+        (0.0, 0),
+        (1.0, 1),
+        (2.0, 2),
+        (3.0, 3),
+        (4.0, 5),  # a later timestamp's request keeps its time; arrivals stay in order
+        (4.5, 4),
+    ]
+    assert spread_ties(reqs, 0.0) == reqs

@@ -27,9 +27,14 @@ def toks(seed: int, blocks: int) -> list[int]:
     return [rng.randrange(256) for _ in range(blocks * BS)]
 
 
-def sync_config(workers: list[Any], bind: str, peers: list[str], **replicas: Any) -> dict:
+def sync_config(
+    workers: list[Any], bind: str, peers: list[str], lanes: bool = False, **replicas: Any
+) -> dict:
+    """Lanes off unless asked for: the tests of sync itself compare both replicas' first choices,
+    which lanes make differ on purpose (test_replicas_in_lanes_take_different_idle_workers)."""
     return {
         "workers": [w.spec() for w in workers],
+        "scoring": {} if lanes else {"replica_spread": 0},
         "replicas": {
             "sync_bind": bind,
             "peers": peers,
@@ -40,11 +45,13 @@ def sync_config(workers: list[Any], bind: str, peers: list[str], **replicas: Any
     }
 
 
-async def pair(tmp: Path, workers: list[Any], **replicas: Any) -> tuple[RouterProc, RouterProc]:
+async def pair(
+    tmp: Path, workers: list[Any], lanes: bool = False, **replicas: Any
+) -> tuple[RouterProc, RouterProc]:
     a_ep, b_ep = f"ipc://{tmp}/a.sock", f"ipc://{tmp}/b.sock"
     a, b = await asyncio.gather(
-        RouterProc.start(tmp, "a", sync_config(workers, a_ep, [b_ep], **replicas)),
-        RouterProc.start(tmp, "b", sync_config(workers, b_ep, [a_ep], **replicas)),
+        RouterProc.start(tmp, "a", sync_config(workers, a_ep, [b_ep], lanes, **replicas)),
+        RouterProc.start(tmp, "b", sync_config(workers, b_ep, [a_ep], lanes, **replicas)),
     )
     return a, b
 
@@ -114,6 +121,22 @@ async def test_a_replica_follows_the_prefix_its_peer_placed_and_steers_from_its_
             http, two.url, "kvrouter_replica_remote_tickets_ended_total", reason="ended"
         )
         assert ended == 3
+    finally:
+        await asyncio.gather(one.stop(), two.stop())
+
+
+async def test_replicas_in_lanes_take_different_idle_workers(workers, http, tmp_path):
+    """The default lanes: two replicas that hear each other take lanes 0 and 1, and the same new
+    request at both in the same instant goes to two different idle workers, not one."""
+    ws = [await workers(n) for n in ("a", "b", "c")]
+    one, two = await pair(tmp_path, ws, lanes=True)
+    try:
+        await synced(http, one, two)
+        lanes = [await metric(http, r.url, "kvrouter_replica_lane") for r in (one, two)]
+        assert sorted(lanes) == [0, 1]
+        prompt = toks(40, 20)
+        picks = await asyncio.gather(route(http, one.url, prompt), route(http, two.url, prompt))
+        assert picks[0]["worker_id"] != picks[1]["worker_id"]
     finally:
         await asyncio.gather(one.stop(), two.stop())
 

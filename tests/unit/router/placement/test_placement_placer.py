@@ -104,3 +104,21 @@ def test_a_request_goes_where_it_fits_beside_the_running_ones() -> None:
     assert d.candidates[d.order[0]].key == ("b", 0)
     # a pays for the 2 blocks that do not fit beside its 26 in 40
     assert a.cost - b.cost == placer.weights.overlap_weight * 2 + (26 - 31)
+
+
+def test_replicas_in_different_lanes_place_a_same_instant_burst_apart() -> None:
+    """Two replicas with one view (a sync has landed) each take a new request in the same
+    instant: without lanes both take the same worker; in lanes 0 and 1 they take two."""
+    placers = [build()[0], build()[0]]
+    prompt = list(range(1000, 1000 + 8 * BS))
+
+    def firsts() -> list[tuple[str, int]]:
+        ds = [p.place(prompt) for p in placers]
+        return [d.candidates[d.order[0]].key for d in ds]
+
+    alike = firsts()
+    assert alike[0] == alike[1]
+    for lane, p in enumerate(placers):
+        p.lane = (lane, 2)
+    apart = firsts()
+    assert apart[0] == alike[0] and apart[1] != apart[0]

@@ -187,3 +187,30 @@ def test_cache_credit_keeps_a_request_on_its_cache_against_a_queue():
     assert held.credited == 100.0  # the credit reported is blocks reused, never the multiplier
     assert held.cost == pytest.approx(16.0 * (300 + 110 - 100))  # the holder: no penalty
     assert idle.cost == pytest.approx(16.0 * (110 + 7 * 100))  # 8 prefill blocks per one it lacks
+
+
+def test_a_replica_lane_takes_its_near_best_worker_first():
+    w = ScoreWeights(overlap_weight=1.0, cache_credit=1.0, replica_spread=0.5)
+
+    def cands() -> list[Candidate]:
+        # n = 8, nothing cached: own prefill 8, so "near" is within 0.5 x 8 = 4 of the best
+        return [
+            Candidate(("a", 0), active_blocks=0),  # 8
+            Candidate(("b", 0), active_blocks=1),  # 9
+            Candidate(("c", 0), active_blocks=3),  # 11
+            Candidate(("d", 0), active_blocks=40),  # 48: never near
+        ]
+
+    keys = lambda cs, o: [cs[i].key[0] for i in o]  # noqa: E731
+    cs = cands()
+    assert keys(cs, rank(cs, 8, w)) == ["a", "b", "c", "d"]
+    assert keys(cs, rank(cs, 8, w, lane=(0, 4))) == ["a", "b", "c", "d"]  # lane 0: the best
+    assert keys(cs, rank(cs, 8, w, lane=(1, 4))) == ["b", "a", "c", "d"]
+    assert keys(cs, rank(cs, 8, w, lane=(2, 4))) == ["c", "a", "b", "d"]
+    assert keys(cs, rank(cs, 8, w, lane=(3, 4))) == ["a", "b", "c", "d"]  # 3 mod 3 near
+    off = ScoreWeights(overlap_weight=1.0, cache_credit=1.0, replica_spread=0.0)
+    assert keys(cs, rank(cs, 8, off, lane=(1, 4))) == ["a", "b", "c", "d"]
+    # a cached prefix is worth more than the spread: every lane keeps it
+    cached = [Candidate(("a", 0), by_tier={"GPU": 6}), Candidate(("b", 0))]
+    for lane in range(4):
+        assert rank(cached, 8, w, lane=(lane, 4))[0] == 0

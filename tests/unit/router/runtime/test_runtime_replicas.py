@@ -141,3 +141,19 @@ async def test_a_sync_bind_in_use_fails_the_start(tmp_path: Path) -> None:
         await b.aclose()
     finally:
         await a.aclose()
+
+
+def test_lanes_follow_the_replicas_heard() -> None:
+    clock = Clock()
+    s = sync(clock, peer_timeout_s=5.0)
+    assert s.placer.lane == (0, 1) and s.stats().lane == 0
+    below, above = "0" * 16, "z" * 16  # origins sort around this one's (16 hex digits)
+    s.on_message(msg(0, [], origin=above))
+    assert s.placer.lane == (0, 2)
+    s.on_message(msg(0, [], origin=below))
+    assert s.placer.lane == (1, 3) and s.stats().lane == 1
+    clock.t += 4.0
+    s.on_message(msg(1, [], origin=above))
+    clock.t += 1.5
+    s.check_peers(clock.t)  # "below" silent 5.5 s: gone
+    assert s.placer.lane == (0, 2)
