@@ -7,6 +7,7 @@ the 2-core dev machine; nothing else should be running):
     python benchmarks/bench_epp.py                        # 2,000 requests per path and cell
     python benchmarks/bench_epp.py --requests 300 --cpu-requests 500      # a quick look
     python benchmarks/bench_epp.py --floor                # and the grpc.aio floor beside it
+    python benchmarks/bench_epp.py --floor --response-body none   # the answer's body off the EPP
     python benchmarks/bench_epp.py --concurrency 1,8,32 --json out/bench_epp.json
     taskset -c 0 python benchmarks/bench_epp.py           # every process on one core
 
@@ -263,7 +264,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             floor_port = int(floor.wait_line(EPP_READY, 60, stop).group(2))
 
         wait_until(lambda: answers_ok(router_url + "/ready"), 60, "the router's /ready")
-        config = render(load(), epp=("127.0.0.1", epp_port), direct=(host, int(port)))
+        head_only = args.response_body == "none"
+        config = render(
+            load(), epp=("127.0.0.1", epp_port), direct=(host, int(port)), head_only=head_only
+        )
         if floor is not None:
             add_floor(config, ("127.0.0.1", floor_port))
         with EnvoyProcess(config, binary=args.envoy_bin, workdir=tmp / "envoy") as envoy:
@@ -374,6 +378,14 @@ def main() -> None:
     ap.add_argument("--envoy-bin", help="default: $KVROUTER_ENVOY_BIN, else .venv-envoy's")
     ap.add_argument("--json", metavar="PATH", help="write the figures here too")
     ap.add_argument("--floor", action="store_true", help="path floor too (epp_floor.py)")
+    ap.add_argument(
+        "--response-body",
+        choices=("streamed", "none"),
+        default="streamed",
+        help="the ext_proc response_body_mode (default streamed, as committed; none: the EPP "
+        "sees the answer's headers and its end, not its body — no usage, the first byte at the "
+        "headers)",
+    )
     ap.add_argument("--serve-upstream", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_upstream:

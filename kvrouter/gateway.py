@@ -49,6 +49,7 @@ __all__ = [
     "WORKER_CLUSTER",
     "EnvoyProcess",
     "GatewayError",
+    "answer_head_only",
     "cluster",
     "connection_manager",
     "envoy_binary",
@@ -130,12 +131,15 @@ def render(
     port: int = 0,
     admin_port: int = 0,
     direct: tuple[str, int] | None = None,
+    head_only: bool = False,
 ) -> dict[str, Any]:
     """``source`` (the committed config, :func:`load`) for this run: listener and admin API on
     ``host`` (port 0: any free one, read back by :class:`EnvoyProcess`), the EPP cluster's one
     endpoint at ``epp``, the access log written to ``access_log``. With ``direct=(host,
     port)`` a second listener ``direct`` carries the same connection manager minus the ext_proc
-    filter to that one upstream (a STATIC cluster): the same Envoy without the EPP hop."""
+    filter to that one upstream (a STATIC cluster): the same Envoy without the EPP hop. With
+    ``head_only`` the answer's head and end reach the EPP, not its body (``response_body_mode:
+    NONE``): no answer byte crosses gRPC, and the EPP reads no usage."""
     config = copy.deepcopy(source)
     config["admin"]["address"]["socket_address"] = _socket(host, admin_port)
     listener(config)["address"]["socket_address"] = _socket(host, port)
@@ -144,9 +148,19 @@ def render(
     (group,) = cluster(config, EPP_CLUSTER)["load_assignment"]["endpoints"]
     (endpoint,) = group["lb_endpoints"]
     endpoint["endpoint"]["address"]["socket_address"] = _socket(*epp)
+    if head_only:
+        answer_head_only(config)
     if direct is not None:
         _add_direct(config, host, direct)
     return config
+
+
+def answer_head_only(config: dict[str, Any]) -> None:
+    """The light picker mode: Envoy sends the EPP the answer's head and closes the stream at
+    its end, never its body (``response_body_mode: NONE``, trailers skipped)."""
+    modes = http_filter(config, EXT_PROC)["processing_mode"]
+    modes["response_body_mode"] = "NONE"
+    modes["response_trailer_mode"] = "SKIP"
 
 
 def _add_direct(config: dict[str, Any], host: str, upstream: tuple[str, int]) -> None:

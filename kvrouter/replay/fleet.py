@@ -224,12 +224,13 @@ class Fleet:
         self.router_url, self.router_pid = url, child.proc.pid
         return url
 
-    def start_gateway(self, binary: str | None = None) -> str:
+    def start_gateway(self, binary: str | None = None, *, head_only: bool = False) -> str:
         """An Envoy on ``deploy/gateway/envoy.yaml`` in front of the router's EPP (after
-        ``start_kvrouter(epp=True)``); returns its listener's URL."""
+        ``start_kvrouter(epp=True)``; ``head_only``: the answer's body never reaches the EPP,
+        :func:`kvrouter.gateway.render`); returns its listener's URL."""
         if self.epp_port is None:
             raise UpError("start_gateway needs a router with its EPP (start_kvrouter(epp=True))")
-        config = render(load(), epp=("127.0.0.1", self.epp_port))
+        config = render(load(), epp=("127.0.0.1", self.epp_port), head_only=head_only)
         self.gateway = EnvoyProcess(config, binary=binary, ready_timeout=self.spec.ready_timeout)
         return self.gateway.start().url
 

@@ -2,7 +2,8 @@
 
 Where the requests go (:class:`LiveTargets`): a fleet of our own, fresh for each policy
 (:mod:`kvrouter.replay.fleet`: N bundled sim engines, and kvrouter, sglang-router or smg in front
-of them; ``kvrouter-epp``: the same router as an endpoint picker behind a real Envoy), or servers
+of them; ``kvrouter-epp``: the same router as an endpoint picker behind a real Envoy;
+``kvrouter-epp-head``: the same with Envoy sending it the answer's head, not its body), or servers
 already running — a kvrouter URL, an sglang-router or smg URL, OpenAI worker URLs for
 the client-side policies (their prefix caches are reset between policies where the workers allow
 ``POST /reset_prefix_cache``). The client (:mod:`kvrouter.replay.live_client`) paces, streams and
@@ -34,6 +35,8 @@ from kvrouter.replay.live_client import (
 )
 
 __all__ = [
+    "EPP_HEAD_POLICY",
+    "EPP_POLICIES",
     "EPP_POLICY",
     "PEER_POLICIES",
     "LiveTargets",
@@ -45,9 +48,12 @@ __all__ = [
 
 # ------------------------------------------------------------------------- one run per policy
 
-PEER_POLICIES = ("kvrouter", "kvrouter-epp", "sglang", "smg")
+PEER_POLICIES = ("kvrouter", "kvrouter-epp", "kvrouter-epp-head", "sglang", "smg")
 #: policy kvrouter through a real Envoy that asks the router's endpoint picker (kvrouter.gateway)
 EPP_POLICY = "kvrouter-epp"
+#: the same, Envoy sending the picker the answer's head and end only (response_body_mode NONE)
+EPP_HEAD_POLICY = "kvrouter-epp-head"
+EPP_POLICIES = (EPP_POLICY, EPP_HEAD_POLICY)
 
 
 @dataclass
@@ -111,14 +117,14 @@ def run_policy(
         router: str | None = None
         client: ClientPolicy | None = None
         n = 1
-        if policy in ("kvrouter", EPP_POLICY):
-            epp = policy == EPP_POLICY
+        if policy in ("kvrouter", *EPP_POLICIES):
+            epp = policy in EPP_POLICIES
             n = 1 if epp else targets.router_processes  # (the EPP is process 0's alone)
             router = fleet.start_kvrouter(
                 targets.router_config, targets.router_env, epp=epp, processes=n
             )
             if epp:  # the client calls Envoy, which asks the router's EPP
-                router = fleet.start_gateway(targets.envoy_bin)
+                router = fleet.start_gateway(targets.envoy_bin, head_only=policy == EPP_HEAD_POLICY)
         elif policy == "sglang":
             if not targets.sglang_python:
                 raise ValueError("policy sglang on a fleet needs --sglang-router-python")
@@ -159,8 +165,8 @@ def _run_external(
     max_inflight: int,
     on_done: Callable[[LiveOutcome], None] | None,
 ) -> PolicyRun:
-    if policy == EPP_POLICY:  # (a running Envoy's EPP router could be anywhere: not measured)
-        raise ValueError(f"policy {EPP_POLICY} runs on a fleet of our own (no --*-url)")
+    if policy in EPP_POLICIES:  # (a running Envoy's EPP router could be anywhere: not measured)
+        raise ValueError(f"policy {policy} runs on a fleet of our own (no --*-url)")
     router = {"kvrouter": t.router_url, "sglang": t.sglang_url, "smg": t.smg_url}.get(policy)
     if policy in PEER_POLICIES and not router:
         raise ValueError(f"policy {policy} needs its router URL (or a fleet of our own)")
@@ -275,9 +281,10 @@ def targets_from_args(
     Policy kvrouter-epp needs a fleet and an Envoy binary: checked here, before any run."""
     external = bool(args.worker_url or args.router_url or args.sglang_router_url or args.smg_url)
     envoy_bin = None
-    if EPP_POLICY in (getattr(args, "policies", None) or "").split(","):
+    asked = set((getattr(args, "policies", None) or "").split(",")) & set(EPP_POLICIES)
+    if asked:
         if external:
-            raise ValueError(f"policy {EPP_POLICY} runs on a fleet of our own (no --*-url)")
+            raise ValueError(f"policy {min(asked)} runs on a fleet of our own (no --*-url)")
         try:
             envoy_bin = envoy_binary(args.envoy_bin)
         except GatewayError as e:

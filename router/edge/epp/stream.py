@@ -16,6 +16,12 @@ in chunks, maybe trailers, and holds the request until the picker answers them a
 - response phase: every body chunk is passed back at once, unchanged; the flight's first byte is
   the answer's first body byte (what the proxy times: a worker sends its head before the first
   token), and the usage of the answer (SSE chunk or whole JSON) is read for its cached tokens.
+  With ``response_body_mode: NONE`` (Envoy says so in its first message's ``protocol_config``)
+  no chunk comes: the answer's head stands for its first byte (a worker that sends its head
+  with the first token, as the bundled engine does, makes that exact), no usage is read, and
+  the stream's end after the head — Envoy closes or resets it when the answer is done — ends the
+  flight with the head's status (a client leaving mid-answer looks the same). The light way to
+  run the picker: no answer byte crosses gRPC.
 
 The placement is a :class:`router.placement.Flight` of kind ``epp``: it counts in
 ``proxy.max_inflight`` and the proxy's in-flight, TTFB and proxied metrics. It ends exactly once:
@@ -104,6 +110,8 @@ class EppStream:
         self.sse = False
         self.whole: bytearray | None = None
         self.ending = "client_disconnect"  # how the flight ends if the stream ends first
+        #: Envoy sends the answer's head, not its body (response_body_mode NONE)
+        self.head_only = False
 
     async def run(self) -> None:
         try:
@@ -164,7 +172,7 @@ class EppStream:
         if first.WhichOneof("request") != "request_headers":
             raise ProtocolError(f"{_phase(first)} before request_headers")
         if first.HasField("protocol_config"):
-            _check_modes(first)
+            self.head_only = _check_modes(first)
         headers = header_map(first.request_headers, _REQUEST_HEADERS)
         self.method, self.path = headers.get(":method", ""), headers.get(":path", "")
         given = headers.get("x-request-id")
@@ -289,7 +297,9 @@ class EppStream:
         while True:
             m = await self.read()
             if m is None:
-                return  # the stream ended before the answer did (run ends the flight)
+                if self.head_only and self.status:  # Envoy closes the stream at the answer's end
+                    self._complete()
+                return  # else it ended before the answer did (run ends the flight)
             kind = m.WhichOneof("request")
             if kind == "response_headers":
                 if self.status:
@@ -303,6 +313,14 @@ class EppStream:
                 self.sse = "text/event-stream" in h.get("content-type", "")
                 if self.status == 200 and not self.sse:
                     self.whole = bytearray()
+                if self.head_only and not m.response_headers.end_of_stream:
+                    # no body will come: the head stands for the first byte, and the stream's
+                    # end, a close or a reset (Envoy does either, maybe before our answer to
+                    # the head is written), for the answer's: set before that answer goes.
+                    # (A client leaving mid-answer looks the same to the picker.)
+                    self.ttfb = time.perf_counter() - self.t0
+                    flight.first_byte()
+                    self.ending = str(self.status)
                 await self.write(headers_reply(request=False, set_headers=self.answer_headers))
                 if m.response_headers.end_of_stream:
                     return self._complete()
@@ -362,10 +380,11 @@ def _phase(m: ProcessingRequest) -> str:
     return m.WhichOneof("request") or "a message of no phase"
 
 
-def _check_modes(first: ProcessingRequest) -> None:
+def _check_modes(first: ProcessingRequest) -> bool:
     """The body modes Envoy says it runs with (newer Envoys send them on the first message):
     the picker holds the request headers' answer until the body's end, which only the full
-    duplex mode allows; the answer's body may also not be sent at all."""
+    duplex mode allows; the answer's body may also not be sent at all (True: then the picker
+    sees the answer's head and its end, and reads no usage)."""
     pc = first.protocol_config
     if pc.request_body_mode != _STREAMED:
         name = ProcessingMode.BodySendMode.Name(pc.request_body_mode)
@@ -373,3 +392,4 @@ def _check_modes(first: ProcessingRequest) -> None:
     if pc.response_body_mode not in (_STREAMED, _NO_BODY):
         name = ProcessingMode.BodySendMode.Name(pc.response_body_mode)
         raise Unsupported(f"response_body_mode {name}: the picker needs FULL_DUPLEX_STREAMED")
+    return pc.response_body_mode == _NO_BODY

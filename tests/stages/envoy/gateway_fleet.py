@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 from upstream_tap import Tap
 
-from kvrouter.gateway import EPP_ENV, EPP_READY, EnvoyProcess, load
+from kvrouter.gateway import EPP_ENV, EPP_READY, EnvoyProcess, answer_head_only, load
 from kvrouter.up import (
     ENGINE_READY,
     ROUTER_READY,
@@ -156,9 +156,11 @@ class Envoy(EnvoyProcess):
     """A real Envoy on ``deploy/gateway/envoy.yaml`` (made loopback by :func:`for_test`),
     started by :class:`kvrouter.gateway.EnvoyProcess` in ``tmp``; ``stop()`` stops it."""
 
-    def __init__(self, binary: str, tmp: Path, epp_port: int) -> None:
+    def __init__(self, binary: str, tmp: Path, epp_port: int, *, head_only: bool = False) -> None:
         self.access_log = tmp / "access.log"
         config = for_test(load(), epp_port=epp_port, access_log=self.access_log)
+        if head_only:  # the answer's head and end reach the EPP, not its body
+            answer_head_only(config)
         # the access log reaches its file within 20 ms, not the default 10 s
         flush = ["--file-flush-interval-msec", "20"]
         super().__init__(config, binary=binary, workdir=tmp, extra_args=flush)

@@ -363,3 +363,41 @@ def _fails_closed(gw: Gateway) -> None:
     assert len(lines) == 3 and all(e["upstream_host"] in (None, "-") for e in lines)
     # refused by the ext_proc filter itself (the EPP unreachable), not for want of a worker
     assert all(e["response_code_details"].startswith("ext_proc_error") for e in lines)
+
+
+def test_with_the_answer_s_body_off_every_flight_still_ends_with_its_status(
+    engines: list[Worker], tmp_path: Path
+) -> None:
+    """``response_body_mode: NONE`` (the light way to run the picker: no response chunk crosses
+    gRPC): the EPP sees the answer's head, takes it as the first byte, and ends the flight with
+    the head's status when Envoy closes the stream at the answer's end."""
+    with open(tmp_path / "router.log", "w") as log:
+        router = start_router(engines, log, threading.Event())
+        try:
+            envoy = Envoy(ENVOY_BIN, tmp_path, router.epp_port, head_only=True)
+            try:
+                gw = Gateway(router, envoy, engines)
+                before = metric(router.metrics(), "kvrouter_proxied_requests_total", status="200")
+                for i in range(6):
+                    body = {"prompt": f"head only {i}", "max_tokens": 8, "stream": i % 2 == 0}
+                    r = gw.post("/v1/completions", body, test_id=f"head-{i}")
+                    assert r.status_code == 200
+                    if i % 2 == 0:
+                        assert r.text.rstrip().endswith("data: [DONE]")
+                    else:
+                        assert r.json()["usage"]["completion_tokens"] == 8
+
+                def ended() -> bool:
+                    text = router.metrics()
+                    done = metric(text, "kvrouter_proxied_requests_total", status="200") - before
+                    return done == 6 and metric(text, "kvrouter_inflight_requests") == 0
+
+                poll(ended, 20, "six flights ended with status 200")
+                text = router.metrics()
+                assert (
+                    metric(text, "kvrouter_proxied_requests_total", status="client_disconnect") == 0
+                )
+            finally:
+                envoy.stop()
+        finally:
+            stop_children([router.child])

@@ -57,6 +57,18 @@ def test_kvrouter_epp_is_a_peer_policy_that_needs_envoy_only_when_asked_for(
     assert t.envoy_bin == envoy and t.fleet is not None
     monkeypatch.setenv(gateway.ENVOY_BIN_ENV, envoy)  # the variable, when no flag
     assert targets_from_args(_parse("--policies", "kvrouter-epp"), **SHAPE).envoy_bin == envoy
+    head = targets_from_args(_parse("--policies", "kvrouter-epp-head"), **SHAPE)
+    assert "kvrouter-epp-head" in PEER_POLICIES and head.envoy_bin == envoy
+
+
+def test_head_only_renders_envoy_without_the_answer_s_body() -> None:
+    modes = lambda c: gateway.http_filter(c, gateway.EXT_PROC)["processing_mode"]  # noqa: E731
+    full = gateway.render(gateway.load(), epp=("127.0.0.1", 9002))
+    head = gateway.render(gateway.load(), epp=("127.0.0.1", 9002), head_only=True)
+    assert modes(full)["response_body_mode"] == "FULL_DUPLEX_STREAMED"
+    assert modes(head)["response_body_mode"] == "NONE"
+    assert modes(head)["response_trailer_mode"] == "SKIP"
+    assert modes(head)["request_body_mode"] == "FULL_DUPLEX_STREAMED"  # the request: as ever
 
 
 def test_kvrouter_epp_is_refused_up_front_without_envoy_or_without_a_fleet(envoy: str) -> None:
@@ -67,6 +79,9 @@ def test_kvrouter_epp_is_refused_up_front_without_envoy_or_without_a_fleet(envoy
         targets_from_args(_parse(*argv), **SHAPE)
     with pytest.raises(ValueError, match="fleet of our own"):  # called directly, the same
         run_policy(EPP_POLICY, [], LiveTargets(router_url="http://r"), speedup=1.0)
+    with pytest.raises(ValueError, match="kvrouter-epp-head runs on a fleet of our own"):
+        argv = ("--policies", "kvrouter-epp-head", "--envoy-bin", envoy, "--worker-url", "http://w")
+        targets_from_args(_parse(*argv), **SHAPE)
 
 
 def test_the_replay_command_exits_2_before_any_fleet_without_envoy(

@@ -202,3 +202,33 @@ async def test_a_reset_mid_response_ends_the_flight_once(workers, epp, http):
     assert metric(text, "kvrouter_proxied_requests_total", worker="a") == 1  # once
     assert metric(text, "kvrouter_inflight_requests", worker="a") == 0
     assert metric(text, "kvrouter_time_to_first_byte_seconds_count", worker="a") == 1
+
+
+async def test_with_the_answer_s_body_off_its_head_is_the_first_byte_its_close_the_end(
+    workers, epp, http
+):
+    """response_body_mode NONE: no response chunk comes; the head moves the flight past
+    prefill, and Envoy closing its side after the head ends it with the head's status."""
+    a = await workers("a")
+    r, envoy = await epp([a])
+    call = envoy.open()
+    m = headers_request([(":method", "POST"), (":path", "/v1/completions"), (":authority", "gw")])
+    modes = ProtocolConfiguration(request_body_mode=4, response_body_mode=0)  # FULL_DUPLEX, NONE
+    m.protocol_config.CopyFrom(modes)
+    await call.write(m)
+    await call.write(body_request(completion("head only"), True))
+    pick = await call.read()
+    assert pick.HasField("request_headers")
+    await call.read()  # the body's echo
+    assert r.state.placer.load.inflight("a") == 1
+    head = [(":status", "200"), ("content-type", "application/json")]
+    await call.write(headers_request(head, response=True))
+    await call.read()
+    ticket = r.state.placer.load.get(("a", 0))
+    assert ticket is not None and ticket.inflight_prefill == 0  # past prefill at the head
+    await call.done_writing()  # Envoy closes its side at the answer's end
+    await wait_for(lambda: r.state.inflight == 0, 10, "the flight ended")
+    text = (await http.get(r.url + "/metrics")).text
+    assert metric(text, "kvrouter_proxied_requests_total", worker="a", status="200") == 1
+    assert metric(text, "kvrouter_proxied_requests_total", worker="a") == 1
+    assert metric(text, "kvrouter_time_to_first_byte_seconds_count", worker="a") == 1
