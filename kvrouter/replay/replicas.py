@@ -13,10 +13,11 @@ per connection, one request per connection. With sync on, each replica's placer 
 :class:`router.placement.EventLog` its tickets' lives (committed, first token, ended); after each
 of its calls the log is taken and delivered to every other replica's
 :meth:`router.placement.RemoteTickets.apply` ``delay_s`` later on the simulated clock — without
-sync, never. Synced replicas hear each other, so each takes its lane (its place among them, as
-:meth:`router.runtime.replicas.ReplicaSync` derives it from the origins it hears). Delivery is applied lazily, just before the next placement at or after its due time
-(the first moment remote state can change a decision), so a remote ticket's TTL and its
-predictions' start then: late by at most the gap between two arrivals, against TTLs of seconds.
+sync, never. Synced replicas hear each other, so each takes its lane: its place among them, as
+:class:`router.runtime.replicas.ReplicaSync` derives it from the origins it hears. Delivery is
+applied lazily, just before the next placement at or after its due time (the first moment remote
+state can change a decision), so a remote ticket's TTL and its predictions' start then: late by
+at most the gap between two arrivals, against TTLs of seconds.
 """
 
 from __future__ import annotations

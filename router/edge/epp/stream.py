@@ -297,9 +297,7 @@ class EppStream:
         while True:
             m = await self.read()
             if m is None:
-                if self.head_only and self.status:  # Envoy closes the stream at the answer's end
-                    self._complete()
-                return  # else it ended before the answer did (run ends the flight)
+                return  # the stream ended: run ends the flight (head only: with the head's status)
             kind = m.WhichOneof("request")
             if kind == "response_headers":
                 if self.status:
