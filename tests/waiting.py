@@ -11,6 +11,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvrouter.up import UpError, wait_until
+
 __all__ = ["poll", "wait_for"]
 
 
@@ -27,12 +29,9 @@ def poll(
     cond: Callable[[], Any], timeout: float = 20.0, what: str = "", every: float = 0.05
 ) -> Any:
     """Call ``cond`` every ``every`` seconds until it returns something truthy, and return that;
-    fail the test after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what or cond}")
-        time.sleep(every)
+    fail the test after ``timeout`` seconds (:func:`kvrouter.up.wait_until`'s loop, its
+    timeout a test failure)."""
+    try:
+        return wait_until(cond, timeout, what or str(cond), every)
+    except UpError as e:
+        raise AssertionError(str(e)) from None

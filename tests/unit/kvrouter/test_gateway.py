@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
+from stand_in import stand_in_executable
 
 from kvrouter import gateway
 from kvrouter.gateway import (
@@ -72,16 +73,10 @@ def test_the_direct_listener_is_the_same_connection_manager_without_ext_proc() -
         listener(config, "nope")
 
 
-def _executable(path: Path) -> str:
-    path.write_text("#!/bin/sh\n")
-    path.chmod(0o755)
-    return str(path)
-
-
 def test_envoy_binary_is_the_flag_then_the_variable_then_venv_envoy(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    flag, var = _executable(tmp_path / "a"), _executable(tmp_path / "b")
+    flag, var = stand_in_executable(tmp_path / "a"), stand_in_executable(tmp_path / "b")
     assert envoy_binary(flag, {ENVOY_BIN_ENV: var}) == flag
     assert envoy_binary(None, {ENVOY_BIN_ENV: var}) == var
     monkeypatch.setattr(gateway, "_VENV_ENVOY", tmp_path / "none")

@@ -8,6 +8,7 @@ import argparse
 from pathlib import Path
 
 import pytest
+from stand_in import stand_in_executable
 
 from kvrouter import gateway
 from kvrouter.replay.cli import main
@@ -38,10 +39,7 @@ def envoy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     """A stand-in executable for the Envoy binary (nothing here starts it); none elsewhere."""
     monkeypatch.delenv(gateway.ENVOY_BIN_ENV, raising=False)
     monkeypatch.setattr(gateway, "_VENV_ENVOY", tmp_path / "no-venv-envoy")
-    path = tmp_path / "envoy"
-    path.write_text("#!/bin/sh\n")
-    path.chmod(0o755)
-    return str(path)
+    return stand_in_executable(tmp_path / "envoy")
 
 
 def test_kvrouter_epp_is_a_peer_policy_that_needs_envoy_only_when_asked_for(
