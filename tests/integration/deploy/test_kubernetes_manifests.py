@@ -248,3 +248,75 @@ def _check_kv_event_flags(c: dict[str, Any], events: str, replay: str | None) ->
         assert args[args.index("--events") + 1] == f"tcp://*:{port}"
         assert replay is not None
         assert args[args.index("--replay") + 1] == f"tcp://*:{replay.rsplit(':', 1)[1]}"
+
+
+def _admits(
+    policy: dict[str, Any], dst: dict[str, str], port: dict[str, Any], src: dict[str, str]
+) -> bool:
+    """Whether a NetworkPolicy (ingress, pod selectors by matchLabels: all these use) lets a
+    pod labelled ``src`` in its namespace reach container ``port`` of a pod labelled ``dst``.
+    A policy that does not select ``dst`` admits everything (it says nothing about that pod)."""
+    if not _selects(policy, dst):
+        return True
+    for rule in policy["spec"].get("ingress", []):
+        peers = rule.get("from")
+        if peers is not None and not any(
+            set(peer) == {"podSelector"}
+            and peer["podSelector"]["matchLabels"].items() <= src.items()
+            for peer in peers
+        ):
+            continue
+        for p in rule.get("ports") or [{}]:
+            if p.get("protocol", "TCP") != port.get("protocol", "TCP"):
+                continue
+            want = p.get("port")
+            if (
+                want is None
+                or want == port.get("name")
+                or (
+                    isinstance(want, int)
+                    and want <= port["containerPort"] <= p.get("endPort", want)
+                )
+            ):
+                return True
+    return False
+
+
+@pytest.mark.parametrize(
+    "directory",
+    [K8S / "overlays" / o for o in OVERLAYS] + [ROOT / "deploy" / "gateway"],
+    ids=lambda d: d.name,
+)
+def test_only_placement_peers_reach_the_sync_port(directory: Path) -> None:
+    """Sync messages steer placement, so the sync port is closed to all but the pods replica
+    sync discovers as peers; every other port of every pod is as reachable as without it."""
+    objs = compose(directory)
+    policy = find(objs, "NetworkPolicy", "kvrouter-sync")
+    raw = yaml.safe_load(find(objs, "ConfigMap", "kvrouter-config")["data"]["router.yaml"])
+    raw.pop("admin_key_file")  # (a mounted Secret: not what this checks)
+    replicas = load_settings(environ={}, overrides=raw).replicas
+    assert replicas.enabled and replicas.sync_bind is not None
+    sync_port = int(replicas.sync_bind.rsplit(":", 1)[1])
+    deployments = [o for o in objs if o["kind"] == "Deployment"]
+    peers = [d for d in deployments if replicas.discovery.labels.items() <= _labels(d).items()]
+    others = [_labels(d) for d in deployments if d not in peers]
+    assert peers and others, "both placement peers and other pods to refuse"
+    for dep in peers:
+        (c,) = pod_spec(dep)["containers"]
+        for port in c["ports"]:
+            if port["containerPort"] == sync_port:
+                assert port["name"] == "sync"
+                assert all(_admits(policy, _labels(dep), port, _labels(p)) for p in peers)
+                assert not any(_admits(policy, _labels(dep), port, o) for o in [{}, *others])
+            else:  # clients, the gateway, Prometheus: from anywhere
+                assert _admits(policy, _labels(dep), port, {}), f"{port} closed by the policy"
+    # the workers are not selected: their ports are the fleet's business
+    assert not any(_selects(policy, o) for o in others)
+
+
+def _labels(deployment: dict[str, Any]) -> dict[str, str]:
+    return deployment["spec"]["template"]["metadata"]["labels"]  # type: ignore[no-any-return]
+
+
+def _selects(policy: dict[str, Any], labels: dict[str, str]) -> bool:
+    return policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()  # type: ignore[no-any-return]
