@@ -12,10 +12,13 @@ the peer process (random per start, so a restarted peer never ends its predecess
 one definition), and :class:`EventLog` is a listener that keeps the events for whoever delivers
 them (a virtual-time replay: to its other simulated replicas, after a delay of its choice).
 
-A remote ticket ends when its owner's :class:`Ended` arrives, or after ``ttl_s`` when that event
-was lost (``expire``, from the placer's housekeeping), or when its origin goes silent
-(``drop_origin``: the glue decides when), or its worker leaves. At most ``max_tickets`` live at
-once: past it the oldest ends (counted). Nothing here does I/O or reads a clock of its own, so
+A remote ticket ends when its owner's :class:`Ended` arrives, or when its origin goes silent
+(``drop_origin``: the glue decides when), or its worker leaves. Its ``Ended`` can only have been
+lost where a message from its origin was: the glue sees that as a gap in the origin's sequence
+numbers and says so (``gap``), and from then on the tickets that origin had placed before it end
+``ttl_s`` after they started (or were last renewed), by ``expire`` from the placer's housekeeping.
+A ticket no gap has exposed lives as long as its request, however long it generates. At most
+``max_tickets`` live at once: past it the oldest ends (counted). Nothing here does I/O or reads a clock of its own, so
 ``kvrouter replay`` can apply the same events on its simulated clock, with a delay of its choice.
 """
 
@@ -118,7 +121,8 @@ DROP_REASONS = ("too_many_hashes", "unknown_worker", "duplicate")
 
 
 class RemoteTickets:
-    """Live remote tickets by ``(origin, ticket id)``, in start order (= expiry order: one TTL)."""
+    """Live remote tickets by ``(origin, ticket id)``: (when its TTL is next looked at, its
+    origin's gap count when it started, the ticket), in that first field's order."""
 
     def __init__(
         self,
@@ -138,7 +142,10 @@ class RemoteTickets:
         self.max_tickets = max_tickets
         self.max_hashes = max_hashes
         self._clock = clock
-        self._tickets: OrderedDict[tuple[str, int], tuple[float, Ticket]] = OrderedDict()
+        self._tickets: OrderedDict[tuple[str, int], tuple[float, int, Ticket]] = OrderedDict()
+        #: gaps seen per origin (only origins that had one): a ticket started before its
+        #: origin's last gap may have lost its end
+        self._gaps: dict[str, int] = {}
         self.ended = dict.fromkeys(END_REASONS, 0)
         self.dropped = dict.fromkeys(DROP_REASONS, 0)
 
@@ -158,10 +165,15 @@ class RemoteTickets:
             if entry is None:  # ended already, evicted, or placed before this replica listened
                 continue
             if type(ev) is FirstToken:
-                self._ledger.first_token(entry[1])
+                self._ledger.first_token(entry[2])
             else:
                 del self._tickets[(origin, ev.ticket)]
-                self._end(entry[1], "ended")
+                self._end(entry[2], "ended")
+
+    def gap(self, origin: str) -> None:
+        """Messages from ``origin`` were lost (its sequence numbers skipped): the tickets it
+        placed before now may never hear their end, so they become subject to ``ttl_s``."""
+        self._gaps[origin] = self._gaps.get(origin, 0) + 1
 
     def _placed(self, origin: str, ev: Placed) -> None:
         if len(ev.hashes) > self.max_hashes or ev.matched > len(ev.hashes):
@@ -181,44 +193,51 @@ class RemoteTickets:
         self.expire(now)
         tickets = self._tickets
         while len(tickets) >= self.max_tickets:
-            _, (_, old) = tickets.popitem(last=False)
+            _, (_, _, old) = tickets.popitem(last=False)
             self._end(old, "evicted")
         t = self._ledger.start(key, ev.hashes, ev.prefill, ev.matched)
         # the same prediction the owner made on its side (Placer.commit): blocks past the
         # matched prefix, which the worker's events will confirm
         if ev.matched < len(ev.hashes):
             self._predicted.record(ev.hashes[ev.matched :], slot)
-        tickets[k] = (now + self.ttl_s, t)
+        tickets[k] = (now + self.ttl_s, self._gaps.get(origin, 0), t)
 
     def _end(self, t: Ticket, reason: str) -> None:
         self._ledger.finish(t)
         self.ended[reason] += 1
 
     def expire(self, now: float | None = None) -> int:
-        """End the tickets past their TTL (their owner's end was lost); returns how many."""
+        """End the tickets past their TTL that a gap since their start exposed (their end may
+        be lost); renew the others for another TTL. Returns how many ended."""
         tickets = self._tickets
         if not tickets:
             return 0
         if now is None:
             now = self._clock()
         n = 0
+        gaps = self._gaps
         while tickets:
-            k, (exp, t) = next(iter(tickets.items()))
+            k, (exp, seen, t) = next(iter(tickets.items()))
             if exp > now:
                 break
             del tickets[k]
-            self._end(t, "expired")
-            n += 1
+            if gaps.get(k[0], 0) > seen:
+                self._end(t, "expired")
+                n += 1
+            else:  # nothing lost since it started: its end is still to come (at the back: the
+                # latest renewal, so the order holds)
+                tickets[k] = (now + self.ttl_s, seen, t)
         return n
 
     def drop_origin(self, origin: str) -> int:
         """Peer ``origin`` is gone (silent, restarted under a new origin): end its tickets."""
         gone = [k for k in self._tickets if k[0] == origin]
         for k in gone:
-            self._end(self._tickets.pop(k)[1], "peer_lost")
+            self._end(self._tickets.pop(k)[2], "peer_lost")
+        self._gaps.pop(origin, None)
         return len(gone)
 
     def drop_worker(self, worker_id: str) -> None:
         """A worker left: its remote tickets end with it."""
-        for k in [k for k, (_, t) in self._tickets.items() if t.key[0] == worker_id]:
-            self._end(self._tickets.pop(k)[1], "worker_removed")
+        for k in [k for k, (_, _, t) in self._tickets.items() if t.key[0] == worker_id]:
+            self._end(self._tickets.pop(k)[2], "worker_removed")

@@ -11,8 +11,9 @@ discovery finds, the sibling processes of ``--processes``), drained a bounded nu
 at a time, each decoded once and checked (size, shape, block size, sequence), then applied to
 the placer's :class:`router.placement.remote.RemoteTickets` — the one writer of remote state, on
 the loop that places. Per publisher (``origin``, random per process start) the messages carry
-consecutive sequence numbers: a gap is counted, never replayed (remote tickets expire by
-themselves); an older or repeated one is dropped. The same task sends a heartbeat when nothing
+consecutive sequence numbers: a gap is counted, never replayed (the remote tickets whose end
+it may have held expire by their TTL: ``RemoteTickets.gap``); an older or repeated one is
+dropped. The same task sends a heartbeat when nothing
 else was sent for ``heartbeat_s``, and ends the tickets of a peer silent for ``peer_timeout_s``.
 """
 
@@ -167,7 +168,9 @@ class ReplicaSync:
             if m.seq <= last:
                 self.dropped["stale"] += 1
                 return
-            self.gaps += m.seq - last - 1
+            if m.seq > last + 1:  # lost: an end among them, maybe (before this one's events)
+                self.gaps += m.seq - last - 1
+                self.placer.remote.gap(m.origin)
             peer[0], peer[1] = m.seq, now
         self.received += 1
         if m.events:

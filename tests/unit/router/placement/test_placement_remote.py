@@ -128,7 +128,12 @@ def test_a_lost_end_expires_by_ttl_and_the_bound_evicts_the_oldest() -> None:
     flights[0].done("200")
     b.remote.apply("peer-a", heard.take())  # the end of an evicted ticket: nothing to do
     assert len(b.remote) == 2 and b.remote.ended["ended"] == 0
-    # the other two ends are lost: their tickets expire 30 s after b started them
+    # the other two ends are lost, which the glue sees as a gap in a's sequence numbers:
+    # their tickets expire 30 s after b started them
+    for f in flights[1:]:
+        f.done("200")
+    heard.take()
+    b.remote.gap("peer-a")
     clock.t += 29.9
     b.housekeeping()
     assert len(b.remote) == 2
@@ -136,6 +141,39 @@ def test_a_lost_end_expires_by_ttl_and_the_bound_evicts_the_oldest() -> None:
     b.housekeeping()
     assert len(b.remote) == 0 and b.remote.ended["expired"] == 2
     assert all(ld.requests == 0 for _, ld in b.load.items())
+
+
+def test_without_a_gap_a_long_request_counts_until_its_end() -> None:
+    """No message from its origin was lost, so its end is still to come: a ticket outlives any
+    number of TTLs (a long generation); one placed after a gap is not exposed by it."""
+    a, b, heard, clock = pair(ticket_ttl_s=30.0)
+    d = a.place(toks(30, 3))
+    long = a.fly(d, d.order[0], "proxy")
+    b.remote.apply("peer-a", heard.take())
+    for _ in range(10):  # 300 s: ten TTLs, each looked at and renewed
+        clock.t += 30.1
+        b.housekeeping()
+    assert len(b.remote) == 1 and b.remote.ended["expired"] == 0
+    key = long.ticket.key
+    ld = b.load.get(key)
+    assert ld is not None and ld.requests == 1
+    b.remote.gap("peer-a")  # lost messages: the long one's end may be among them ...
+    d = a.place(toks(31, 3))
+    later = a.fly(d, d.order[0], "proxy")
+    b.remote.apply("peer-a", heard.take())  # ... but not the end of one placed after them
+    assert len(b.remote) == 2
+    clock.t += 30.1
+    b.housekeeping()
+    assert len(b.remote) == 1 and b.remote.ended["expired"] == 1
+    for _ in range(3):
+        clock.t += 30.1
+        b.housekeeping()
+    assert len(b.remote) == 1  # the later one lives on until its end arrives
+    long.done("200")
+    later.done("200")
+    b.remote.apply("peer-a", heard.take())
+    assert len(b.remote) == 0 and b.remote.ended["ended"] == 1
+    assert b.load.get(later.ticket.key) is None
 
 
 def test_events_past_the_bounds_or_for_unknown_ranks_are_dropped_and_counted() -> None:
@@ -170,7 +208,7 @@ def test_a_remote_ticket_is_a_ledger_ticket_like_a_local_one() -> None:
     d = a.place(toks(6, 10))
     f = a.fly(d, d.order[0], "route_account")
     b.remote.apply("peer-a", heard.take())
-    (_, (_, t)), *_ = b.remote._tickets.items()
+    (_, (_, _, t)), *_ = b.remote._tickets.items()
     assert t.state is TicketState.PREFILL
     assert (t.key, list(t.hashes), t.prefill) == (
         f.ticket.key,

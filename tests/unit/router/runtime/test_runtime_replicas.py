@@ -66,6 +66,25 @@ def test_gaps_are_counted_and_old_or_repeated_messages_dropped() -> None:
     assert (st.peers, st.gaps, st.received) == (1, 3, 3) and st.dropped["stale"] == 2
 
 
+def test_only_a_gap_puts_a_peer_s_tickets_on_their_ttl() -> None:
+    """A ticket of a peer whose messages all arrived lives past its TTL (its end is still to
+    come); a gap exposes the ones placed before it, not the ones after."""
+    clock = Clock()
+    s = sync(clock, ticket_ttl_s=10.0)
+    s.on_message(msg(1, [Placed(1, "a", 0, [1, 2, 3], 3.0, 0)]))
+    for seq in range(2, 6):  # heartbeats, 4 TTLs
+        clock.t += 10.5
+        s.on_message(msg(seq, []))
+        s.placer.housekeeping()
+    assert len(s.placer.remote) == 1 and s.gaps == 0
+    s.on_message(msg(7, [Placed(2, "b", 0, [4], 1.0, 0)]))  # 6 lost: 1's end, maybe
+    clock.t += 10.5
+    s.placer.housekeeping()
+    assert s.gaps == 1 and s.placer.remote.ended["expired"] == 1 and len(s.placer.remote) == 1
+    s.on_message(msg(8, [Ended(2)]))
+    assert len(s.placer.remote) == 0 and s.placer.remote.ended["ended"] == 1
+
+
 def test_malformed_or_foreign_messages_are_dropped_and_counted() -> None:
     s = sync(Clock())
     hostile = [
