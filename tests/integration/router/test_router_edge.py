@@ -166,11 +166,18 @@ async def test_a_post_goes_to_one_worker_once(router, raw, http) -> None:
     assert {s for s, _ in got} <= {200, 502}
 
 
-async def test_a_refused_connection_moves_to_the_next_worker(router, raw, http) -> None:
+async def test_a_refused_connection_moves_to_the_next_worker(router, raw, http, request) -> None:
     good = await raw(fixed(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}"))
     gone = await raw(fixed(b""))
     r = await routed(router, [("gone", gone), ("good", good)])
+    port = int(gone.url.rsplit(":", 1)[1])
     await gone.stop()  # nothing listens: provably received nothing
+    # and the port stays bound, never listening: no other server can take it, nor can a
+    # connection to it get it as its own ephemeral port (a TCP self-connect, which succeeds)
+    hold = socket.socket()
+    hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    hold.bind(("127.0.0.1", port))
+    request.addfinalizer(hold.close)
     for i in range(4):
         resp = await http.post(r.url + "/v1/completions", json={"prompt": f"q{i}"})
         assert resp.status_code == 200 and resp.headers["x-kvrouter-worker"] == "good"
