@@ -54,12 +54,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
-import shutil
 import statistics
 import sys
-import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -69,11 +65,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from children import Children  # noqa: E402
 from epp_floor import FLOOR, add_floor  # noqa: E402
 
 MODEL = "bench"
 PATHS = ("direct", "floor", "epp", "proxy")  # (the tables' order)
-UPSTREAM_READY = re.compile(r"upstream (http://\S+) events=(\S+)")
 
 
 # --------------------------------------------------------------------------- the upstream
@@ -235,33 +231,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from kvrouter.gateway import EPP_ENV, EPP_READY, EnvoyProcess, load, render
     from kvrouter.replay.fleet import cpu_seconds
-    from kvrouter.up import ROUTER_READY, answers_ok, router_argv, spawn, stop_children, wait_until
+    from kvrouter.up import ROUTER_READY, answers_ok, router_argv, wait_until
 
-    stop = threading.Event()
-    tmp = Path(tempfile.mkdtemp(prefix="bench-epp-"))
-    log = open(tmp / "children.log", "w")  # noqa: SIM115 - closed below
-    children = []
-    try:
-        up = spawn("upstream", [sys.executable, __file__, "--serve-upstream"], log=log)
-        children.append(up)
-        upstream, events = up.wait_line(UPSTREAM_READY, 60, stop).groups()
+    with Children("bench-epp") as kids:
+        upstream, events = kids.upstream()
         argv = [
             *router_argv([f"id=up,url={upstream},events={events}"]),
             "--log-level",
             "warning",
         ]
         env = {**EPP_ENV, "KVROUTER_HEALTH__INTERVAL_S": "0.5"}
-        router = spawn("router", argv, log=log, env=env)
-        children.append(router)
-        router_url = router.wait_line(ROUTER_READY, 60, stop).group(1)
-        epp_port = int(router.wait_line(EPP_READY, 60, stop).group(2))
+        router = kids.spawn("router", argv, env=env)
+        router_url = router.wait_line(ROUTER_READY, 60, kids.stop).group(1)
+        epp_port = int(router.wait_line(EPP_READY, 60, kids.stop).group(2))
         host, port = upstream.removeprefix("http://").rsplit(":", 1)
         floor = None
         if args.floor:  # the least a grpc.aio picker can cost, next to ours
             argv = [sys.executable, str(ROOT / "benchmarks" / "epp_floor.py"), "--endpoint"]
-            floor = spawn("floor", [*argv, f"{host}:{port}"], log=log)
-            children.append(floor)
-            floor_port = int(floor.wait_line(EPP_READY, 60, stop).group(2))
+            floor = kids.spawn("floor", [*argv, f"{host}:{port}"])
+            floor_port = int(floor.wait_line(EPP_READY, 60, kids.stop).group(2))
 
         wait_until(lambda: answers_ok(router_url + "/ready"), 60, "the router's /ready")
         head_only = args.response_body == "none"
@@ -270,7 +258,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         if floor is not None:
             add_floor(config, ("127.0.0.1", floor_port))
-        with EnvoyProcess(config, binary=args.envoy_bin, workdir=tmp / "envoy") as envoy:
+        with EnvoyProcess(config, binary=args.envoy_bin, workdir=kids.tmp / "envoy") as envoy:
             urls = {"epp": envoy.url, "direct": envoy.listener_url("direct"), "proxy": router_url}
             cpu = {"router": router.proc.pid, "envoy": envoy.pid}
             if floor is not None:
@@ -279,13 +267,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             result: dict[str, Any] = _loop(
                 measure(args, urls, lambda: {k: cpu_seconds(v) or 0.0 for k, v in cpu.items()})
             )
-    except BaseException:
-        print(f"bench_epp: the children's output is in {tmp}", file=sys.stderr)
-        raise
-    finally:
-        stop_children(children)
-        log.close()
-    shutil.rmtree(tmp, ignore_errors=True)
     return result
 
 

@@ -41,10 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shutil
 import sys
-import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -53,7 +50,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_epp import UPSTREAM_READY, Conn, _loop, bodies, stats  # noqa: E402
+from bench_epp import Conn, _loop, bodies, stats  # noqa: E402
+from children import Children  # noqa: E402
 
 #: one of ``--processes N``'s processes serves (router.cli prints it)
 
@@ -94,35 +92,19 @@ async def load(url: str, body: bytes, conc: int, warmup: float, seconds: float, 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     from kvrouter.replay.fleet import cpu_seconds
-    from kvrouter.up import (
-        PROCESS_READY,
-        ROUTER_READY,
-        answers_ok,
-        router_argv,
-        spawn,
-        stop_children,
-        wait_until,
-    )
+    from kvrouter.up import PROCESS_READY, ROUTER_READY, answers_ok, router_argv, wait_until
 
-    stop = threading.Event()
-    tmp = Path(tempfile.mkdtemp(prefix="bench-processes-"))
-    log = open(tmp / "children.log", "w")  # noqa: SIM115 - closed below
-    children = []
     out = []
     body = bodies(stream=True)
-    try:
-        epp = str(ROOT / "benchmarks" / "bench_epp.py")
-        up = spawn("upstream", [sys.executable, epp, "--serve-upstream"], log=log)
-        children.append(up)
-        upstream, events = up.wait_line(UPSTREAM_READY, 60, stop).groups()
+    with Children("bench-processes") as kids:
+        upstream, events = kids.upstream()
         for n in args.processes:
             argv = [*router_argv([f"id=up,url={upstream},events={events}"])]
             argv += ["--log-level", "warning", "--processes", str(n)]
-            router = spawn(f"router-{n}", argv, log=log)
-            children.append(router)
-            url = router.wait_line(ROUTER_READY, 60, stop).group(1)
+            router = kids.spawn(f"router-{n}", argv)
+            url = router.wait_line(ROUTER_READY, 60, kids.stop).group(1)
             for _ in range(n - 1):
-                router.wait_line(PROCESS_READY, 60, stop)
+                router.wait_line(PROCESS_READY, 60, kids.stop)
 
             wait_until(lambda url=url: answers_ok(url + "/ready"), 60, "the router's /ready")
             pid = router.proc.pid
@@ -137,15 +119,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 )
             )
             out.append({"processes": n, "concurrency": args.concurrency, **cell})
-            stop_children([router])
-            children.remove(router)
-    except BaseException:
-        print(f"bench_processes: the children's output is in {tmp}", file=sys.stderr)
-        raise
-    finally:
-        stop_children(children)
-        log.close()
-    shutil.rmtree(tmp, ignore_errors=True)
+            kids.end(router)
     return out
 
 

@@ -32,8 +32,6 @@ import argparse
 import json
 import socket
 import sys
-import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -42,8 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_epp import UPSTREAM_READY  # noqa: E402
 from bench_route import Client  # noqa: E402
+from children import Children  # noqa: E402
 
 BS = 16
 
@@ -84,35 +82,24 @@ def until(c: Client, body: bytes, seen: Any) -> tuple[float, bool, list[float]]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import yaml
 
-    from kvrouter.up import ROUTER_READY, answers_ok, router_argv, spawn, stop_children, wait_until
+    from kvrouter.up import ROUTER_READY, answers_ok, router_argv, wait_until
 
-    stop = threading.Event()
-    tmp = Path(tempfile.mkdtemp(prefix="bench-sync-"))
-    log = open(tmp / "children.log", "w")  # noqa: SIM115 - closed below
-    children = []
-    try:
-        up = spawn(
-            "upstream",
-            [sys.executable, str(ROOT / "benchmarks" / "bench_epp.py"), "--serve-upstream"],
-            log=log,
-        )
-        children.append(up)
-        upstream, events = up.wait_line(UPSTREAM_READY, 60, stop).groups()
+    with Children("bench-sync-delay") as kids:
+        upstream, events = kids.upstream()
         if args.transport == "tcp":
             eps = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
         else:
-            eps = [f"ipc://{tmp}/{name}.sock" for name in ("a", "b")]
+            eps = [f"ipc://{kids.tmp}/{name}.sock" for name in ("a", "b")]
         urls = []
         for i, name in enumerate(("a", "b")):
-            cfg = tmp / f"{name}.yaml"
+            cfg = kids.tmp / f"{name}.yaml"
             cfg.write_text(
                 yaml.safe_dump({"replicas": {"sync_bind": eps[i], "peers": [eps[1 - i]]}})
             )
             argv = [*router_argv([f"id=up,url={upstream},events={events}"], block_size=BS)]
             argv += ["--config", str(cfg), "--log-level", "warning"]
-            r = spawn(f"router-{name}", argv, log=log)
-            children.append(r)
-            urls.append(r.wait_line(ROUTER_READY, 60, stop).group(1))
+            r = kids.spawn(f"router-{name}", argv)
+            urls.append(r.wait_line(ROUTER_READY, 60, kids.stop).group(1))
         for url in urls:
             wait_until(lambda url=url: answers_ok(url + "/ready"), 60, "a replica's /ready")
         a, b = Client(urls[0]), Client(urls[1])
@@ -157,12 +144,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "first_ask_ended": first_ended / n,
             "b_route_p50_us": pct(calls, 0.5) * 1e6,
         }
-    except BaseException:
-        print(f"bench_sync_delay: the children's output is in {tmp}", file=sys.stderr)
-        raise
-    finally:
-        stop_children(children)
-        log.close()
 
 
 def main() -> None:
