@@ -9,7 +9,9 @@ requests got a different number of cached prompt tokens, and the tokens each pol
 the other on them; then, for those requests, whether each policy sent the request to the worker
 that holds the longest prefix of its trace blocks (``--trace-block`` tokens each) that an earlier
 request placed by the same policy went to ("its prefix's worker") and yet found it evicted, or sent it to another
-worker. A handful of requests with large, two-way differences, on their prefix's worker and
+worker. For policy kvrouter also: of the requests where it hit less, how many it placed while
+another worker held more of their prefix than the one it chose (by the index, at the decision:
+it left a cache for load), against how many found no such worker. A handful of requests with large, two-way differences, on their prefix's worker and
 evicted there, is the signature of which blocks one worker's LRU kept longer, not of a choice one
 policy makes better (docs/replay.md, issue 24).
 """
@@ -20,9 +22,38 @@ import argparse
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+
+def record_kvrouter_choices(log: list[bool]) -> None:
+    """Wrap policy kvrouter's ``choose`` to note, per request, whether another worker held more
+    of its prefix than the chosen one (the placement is the policy's own, unchanged)."""
+    from kvrouter.replay.policies import KvrouterPolicy
+
+    choose = KvrouterPolicy.choose
+
+    def noted(self: KvrouterPolicy, tokens: Any, now: float) -> tuple[int, Any]:
+        placer, decisions = self.placer, []
+        place = placer.place
+
+        def seen(*args: Any, **kwargs: Any) -> Any:
+            decisions.append(place(*args, **kwargs))
+            return decisions[-1]
+
+        placer.place = seen  # type: ignore[method-assign]
+        try:
+            got = choose(self, tokens, now)
+        finally:
+            del placer.place
+        (d,) = decisions
+        most = max(c.matched_blocks for c in d.candidates)
+        log.append(most > d.candidates[d.order[0]].matched_blocks)
+        return got
+
+    KvrouterPolicy.choose = noted  # type: ignore[method-assign]
 
 
 def main() -> None:
@@ -40,6 +71,8 @@ def main() -> None:
     a, b = args.policies.split(",")
     reqs = load_mooncake(args.trace, args.start, args.count)
     fleet = VirtualFleet(gpu_blocks=args.kv_tokens // VirtualFleet.block_size)
+    left: list[bool] = []
+    record_kvrouter_choices(left)
     runs = {p: run_virtual(reqs, p, fleet, trace_block=args.trace_block) for p in (a, b)}
     got = {
         p: [(o.worker, o.cached_tokens, o.prompt_tokens) for o in r.outcomes]
@@ -75,6 +108,12 @@ def main() -> None:
                 where[outcome[i]] += 1
         print(f"  where {p} hit less than {b if p == a else a}: " + ", ".join(
             f"{k} {v}" for k, v in where.most_common()))  # fmt: skip
+        if p == "kvrouter" and len(left) == len(reqs):
+            worse = [i for i in differ if got[p][i][1] < got[q][i][1]]
+            n = sum(left[i] for i in worse)
+            print(f"    of those, placed while another worker held more of the prefix: {n}; "
+                  f"none held more: {len(worse) - n} (in the whole run it left a better-cached "
+                  f"worker {sum(left)} times)")  # fmt: skip
 
 
 if __name__ == "__main__":
