@@ -309,8 +309,8 @@ class EppStream:
                 except ValueError as e:
                     raise ProtocolError(f"response :status {h.get(':status')!r}") from e
                 self.sse = "text/event-stream" in h.get("content-type", "")
-                if self.status == 200 and not self.sse:
-                    self.whole = bytearray()
+                if self.status == 200 and not self.sse and not self.head_only:
+                    self.whole = bytearray()  # (head only: no body comes to read usage from)
                 if self.head_only and not m.response_headers.end_of_stream:
                     # no body will come: the head stands for the first byte, and the stream's
                     # end, a close or a reset (Envoy does either, maybe before our answer to
