@@ -18,8 +18,9 @@ lost where a message from its origin was: the glue sees that as a gap in the ori
 numbers and says so (``gap``), and from then on the tickets that origin had placed before it end
 ``ttl_s`` after they started (or were last renewed), by ``expire`` from the placer's housekeeping.
 A ticket no gap has exposed lives as long as its request, however long it generates. At most
-``max_tickets`` live at once: past it the oldest ends (counted). Nothing here does I/O or reads a clock of its own, so
-``kvrouter replay`` can apply the same events on its simulated clock, with a delay of its choice.
+``max_tickets`` live at once: past it the oldest ends (counted). Nothing here does I/O or reads a
+clock of its own, so ``kvrouter replay`` can apply the same events on its simulated clock, with
+a delay of its choice.
 """
 
 from __future__ import annotations
@@ -224,8 +225,9 @@ class RemoteTickets:
             if gaps.get(k[0], 0) > seen:
                 self._end(t, "expired")
                 n += 1
-            else:  # nothing lost since it started: its end is still to come (at the back: the
-                # latest renewal, so the order holds)
+            else:
+                # nothing lost since it started: its end is still to come. Renewed at the back,
+                # the latest TTL, so the order holds.
                 tickets[k] = (now + self.ttl_s, seen, t)
         return n
 

@@ -309,9 +309,10 @@ class EppStream:
                 except ValueError as e:
                     raise ProtocolError(f"response :status {h.get(':status')!r}") from e
                 self.sse = "text/event-stream" in h.get("content-type", "")
-                if self.status == 200 and not self.sse and not self.head_only:
-                    self.whole = bytearray()  # (head only: no body comes to read usage from)
-                if self.head_only and not m.response_headers.end_of_stream:
+                if not self.head_only:
+                    if self.status == 200 and not self.sse:
+                        self.whole = bytearray()
+                elif not m.response_headers.end_of_stream:
                     # no body will come: the head stands for the first byte, and the stream's
                     # end, a close or a reset (Envoy does either, maybe before our answer to
                     # the head is written), for the answer's: set before that answer goes.
