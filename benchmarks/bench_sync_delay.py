@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from bench_epp import stats  # noqa: E402
 from bench_route import Client  # noqa: E402
 from children import Children  # noqa: E402
 
@@ -50,11 +51,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 def inflight(c: Client, body: bytes) -> tuple[float, float]:
@@ -104,14 +100,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             wait_until(lambda url=url: answers_ok(url + "/ready"), 60, "a replica's /ready")
         a, b = Client(urls[0]), Client(urls[1])
 
-        def peers(url: str) -> float:
-            _, text, _ = Client(url).call("GET", "/metrics")
+        def peers(c: Client) -> float:
+            _, text, _ = c.call("GET", "/metrics")
             for line in text.decode().splitlines():
                 if line.startswith("kvrouter_replica_peers"):
                     return float(line.split()[-1])
             return 0.0
 
-        wait_until(lambda: all(peers(u) >= 1 for u in urls), 30, "each replica hearing the other")
+        wait_until(lambda: all(peers(c) >= 1 for c in (a, b)), 30, "each replica hearing the other")
         placed, ended, calls = [], [], []
         first_placed = first_ended = 0
         for i in range(args.warmup + args.rounds):
@@ -133,16 +129,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 first_placed += first
                 first_ended += first2
         n = args.rounds
+        p, e = stats(placed), stats(ended)
         return {
             "transport": args.transport,
             "rounds": n,
-            "placed_p50_us": pct(placed, 0.5) * 1e6,
-            "placed_p99_us": pct(placed, 0.99) * 1e6,
-            "ended_p50_us": pct(ended, 0.5) * 1e6,
-            "ended_p99_us": pct(ended, 0.99) * 1e6,
+            "placed_p50_us": p["p50"] * 1e6,
+            "placed_p99_us": p["p99"] * 1e6,
+            "ended_p50_us": e["p50"] * 1e6,
+            "ended_p99_us": e["p99"] * 1e6,
             "first_ask_placed": first_placed / n,
             "first_ask_ended": first_ended / n,
-            "b_route_p50_us": pct(calls, 0.5) * 1e6,
+            "b_route_p50_us": stats(calls)["p50"] * 1e6,
         }
 
 

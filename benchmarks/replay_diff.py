@@ -29,31 +29,20 @@ sys.path.insert(0, str(ROOT))
 
 
 def record_kvrouter_choices(log: list[bool]) -> None:
-    """Wrap policy kvrouter's ``choose`` to note, per request, whether another worker held more
-    of its prefix than the chosen one (the placement is the policy's own, unchanged)."""
-    from kvrouter.replay.policies import KvrouterPolicy
+    """Note, per placement, whether another worker held more of the request's prefix than the
+    first in the placer's order (what policy kvrouter takes: one router, no lane); the
+    decision itself is the placer's own, unchanged."""
+    from router.placement import Placer
 
-    choose = KvrouterPolicy.choose
+    place = Placer.place
 
-    def noted(self: KvrouterPolicy, tokens: Any, now: float) -> tuple[int, Any]:
-        placer, decisions = self.placer, []
-        place = placer.place
-
-        def seen(*args: Any, **kwargs: Any) -> Any:
-            decisions.append(place(*args, **kwargs))
-            return decisions[-1]
-
-        placer.place = seen  # type: ignore[method-assign]
-        try:
-            got = choose(self, tokens, now)
-        finally:
-            del placer.place
-        (d,) = decisions
+    def noted(self: Placer, *args: Any, **kwargs: Any) -> Any:
+        d = place(self, *args, **kwargs)
         most = max(c.matched_blocks for c in d.candidates)
         log.append(most > d.candidates[d.order[0]].matched_blocks)
-        return got
+        return d
 
-    KvrouterPolicy.choose = noted  # type: ignore[method-assign]
+    Placer.place = noted  # type: ignore[method-assign]
 
 
 def main() -> None:
