@@ -156,11 +156,18 @@ def render(
 
 
 def answer_head_only(config: dict[str, Any]) -> None:
-    """The light picker mode: Envoy sends the EPP the answer's head and closes the stream at
-    its end, never its body (``response_body_mode: NONE``, trailers skipped)."""
+    """The light picker mode: Envoy sends the EPP the answer's head, never its body
+    (``response_body_mode: NONE``), and closes the stream at the answer's end.
+
+    The trailers stay ``SEND``: Envoy closes an ext_proc stream as soon as nothing more is
+    configured to go to the processor (envoyproxy/envoy#41425, in 1.40). With the trailers
+    skipped too that is right after the head, and the flight ended there, while the answer was
+    still decoding: the load the placement reads lost every running decode. With the trailers
+    sent, the stream lasts until the answer ends (with trailers, or without: then Envoy closes
+    it), which is when the flight must end (``tests/stages/envoy``)."""
     modes = http_filter(config, EXT_PROC)["processing_mode"]
     modes["response_body_mode"] = "NONE"
-    modes["response_trailer_mode"] = "SKIP"
+    modes["response_trailer_mode"] = "SEND"
 
 
 def _add_direct(config: dict[str, Any], host: str, upstream: tuple[str, int]) -> None:

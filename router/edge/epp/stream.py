@@ -19,9 +19,10 @@ in chunks, maybe trailers, and holds the request until the picker answers them a
   With ``response_body_mode: NONE`` (Envoy says so in its first message's ``protocol_config``)
   no chunk comes: the answer's head stands for its first byte (a worker that sends its head
   with the first token, as the bundled engine does, makes that exact), no usage is read, and
-  the stream's end after the head — Envoy closes or resets it when the answer is done — ends the
-  flight with the head's status (a client leaving mid-answer looks the same). The light way to
-  run the picker: no answer byte crosses gRPC.
+  the stream's end — Envoy closes or resets it when the answer is done, as long as its
+  ``response_trailer_mode`` is ``SEND`` (``kvrouter.gateway.answer_head_only``) — ends the flight
+  with the head's status (a client leaving mid-answer looks the same). The light way to run the
+  picker: no answer byte crosses gRPC.
 
 The placement is a :class:`router.placement.Flight` of kind ``epp``: it counts in
 ``proxy.max_inflight`` and the proxy's in-flight, TTFB and proxied metrics. It ends exactly once:

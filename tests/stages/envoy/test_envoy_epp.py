@@ -401,3 +401,43 @@ def test_with_the_answer_s_body_off_every_flight_still_ends_with_its_status(
                 envoy.stop()
         finally:
             stop_children([router.child])
+
+
+def test_with_the_answer_s_body_off_a_flight_counts_until_its_answer_ends(
+    engines: list[Worker], tmp_path: Path
+) -> None:
+    """Head only, the EPP sees no answer chunk: the flight must still count in the worker's
+    load while the answer streams (a flight ended at the head would leave every decode out of
+    the load the placement reads), and end when Envoy closes the stream at the answer's end."""
+    with open(tmp_path / "router.log", "w") as log:
+        router = start_router(engines, log, threading.Event())
+        try:
+            envoy = Envoy(ENVOY_BIN, tmp_path, router.epp_port, head_only=True)
+            try:
+                before = metric(router.metrics(), "kvrouter_proxied_requests_total", status="200")
+                body = {"prompt": "a long answer, head only", "max_tokens": 512, "stream": True}
+                headers = {"x-test-id": "head-long"}
+                url = envoy.url + "/v1/completions"
+                with httpx.stream("POST", url, json=body, headers=headers, timeout=60) as r:
+                    assert r.status_code == 200
+                    lines = r.iter_lines()
+                    seen = 0
+                    for line in lines:  # well into the answer (64 tokens take ~0.5 s)
+                        seen += line.startswith("data: {")
+                        if seen == 32:
+                            break
+                    assert seen == 32
+                    assert metric(router.metrics(), "kvrouter_inflight_requests") == 1
+                    rest = [line for line in lines if line]
+                assert rest[-1] == "data: [DONE]"
+                poll(
+                    lambda: metric(router.metrics(), "kvrouter_inflight_requests") == 0,
+                    20,
+                    "the flight ended with its answer",
+                )
+                done = metric(router.metrics(), "kvrouter_proxied_requests_total", status="200")
+                assert done == before + 1
+            finally:
+                envoy.stop()
+        finally:
+            stop_children([router.child])
