@@ -5,6 +5,7 @@ Run (about two minutes on the 2-core dev machine):
     python benchmarks/bench_ingest.py                 # everything
     python benchmarks/bench_ingest.py --only ingest   # or: match, memory
     python benchmarks/bench_ingest.py --publishers 2 --messages 40000 --per-message 1 4
+    python benchmarks/bench_ingest.py --only paced --rate 50 --seconds 20   # as engines publish
 
 1. ingest: N publisher processes each PUB a pre-encoded stream over ZMQ (vLLM >= 0.24 format,
    16-token blocks, 16 blocks per BlockStored, chains of 64 stores from the root, and one
@@ -13,6 +14,14 @@ Run (about two minutes on the 2-core dev machine):
    the real `Subscriber` applies it to a `PrefixIndex`. Reported: stored blocks/s from the first to
    the last applied message, summed over publishers. Reference (issue 2): Dynamo's standalone
    indexer applies about 0.96 M blocks/s end to end on this machine with the same stream shape.
+1b. paced: the same stream as engines publish it live, one step's events at a time: 8
+   publishers, each ``--rate`` messages a second at exponential intervals (one 16-block store
+   and, once the window is full, one removal per message). Reported: this process's CPU per
+   message (all its threads: the subscriber task, the event loop, libzmq's I/O thread), for
+   the real ``Subscriber`` and for a bare reader of the same publishers (each SUB's ZMQ_FD on
+   the loop, every message received and dropped: no task, no decode, no index), in turn. At a
+   live rate every message is one wake-up of an idle loop, and a wake-up costs more than the
+   message: the bare reader is the floor no subscriber on this loop and libzmq goes under.
 2. match: p50/p99 of `request_hashes` + `match` (hashing included, tokenization not) for 512,
    4,096 and 32,768-token requests against 8, 64 and 512 workers holding random-length prefixes of
    shared documents (system prompts shared by groups of documents).
@@ -51,7 +60,8 @@ _M64 = (1 << 64) - 1
 # --------------------------------------------------------------------------- ingest
 
 
-def _publisher(conn, messages: int, seed: int, per_message: int) -> None:  # child process
+def _publisher(conn, messages: int, seed: int, per_message: int, rate: float = 0.0) -> None:
+    """(a child process) ``rate`` > 0: that many messages a second, at exponential intervals."""
     import zmq
 
     from indexer.wire import encode_message, encode_payload
@@ -92,7 +102,11 @@ def _publisher(conn, messages: int, seed: int, per_message: int) -> None:  # chi
         seq += 1
     conn.recv()
     conn.send(seq)
+    due = time.perf_counter()
     for p in payloads:
+        if rate > 0:  # paced as an engine publishes: one step's events at a time
+            due += rng.expovariate(rate)
+            time.sleep(max(0.0, due - time.perf_counter()))
         pub.send_multipart(encode_message(b"kv-events", seq, p), copy=False)
         seq += 1
     conn.recv()  # stay alive until the parent is done
@@ -100,18 +114,78 @@ def _publisher(conn, messages: int, seed: int, per_message: int) -> None:  # chi
     ctx.term()
 
 
-async def _ingest(publishers: int, messages: int, per_message: int = 1) -> tuple[float, int, dict]:
-    from indexer.subscriber import Subscriber, WorkerEndpoint
-
+def _spawn(
+    publishers: int, messages: int, per_message: int, rate: float
+) -> tuple[list, list, list]:
+    """The publisher processes: their pipes, processes and endpoints."""
     ctx = mp.get_context("spawn")
     pipes, procs = [], []
     for i in range(publishers):
         a, b = ctx.Pipe()
-        p = ctx.Process(target=_publisher, args=(b, messages, i + 1, per_message), daemon=True)
+        p = ctx.Process(
+            target=_publisher, args=(b, messages, i + 1, per_message, rate), daemon=True
+        )
         p.start()
         pipes.append(a)
         procs.append(p)
-    endpoints = [a.recv() for a in pipes]
+    return pipes, procs, [a.recv() for a in pipes]
+
+
+async def _bare_reader(publishers: int, messages: int, rate: float) -> dict:
+    """The floor of paced ingest: the same publishers read by a bare event-loop reader (each
+    SUB's ZMQ_FD registered with the loop, every waiting message received and dropped), no
+    decode, no index, no task of its own. What is left is the loop's and libzmq's cost of one
+    wake-up per message."""
+    import zmq
+
+    pipes, procs, endpoints = _spawn(publishers, messages, 1, rate)
+    ctx = zmq.Context()
+    socks = []
+    for ep in endpoints:
+        s = ctx.socket(zmq.SUB)
+        s.setsockopt(zmq.SUBSCRIBE, b"")
+        s.setsockopt(zmq.RCVHWM, 0)
+        s.connect(ep)
+        socks.append(s)
+    got = [0] * publishers
+    loop = asyncio.get_running_loop()
+
+    def on_fd(i: int) -> None:
+        s = socks[i]
+        while s.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            s.recv_multipart(zmq.NOBLOCK)
+            got[i] += 1
+
+    for i, s in enumerate(socks):
+        loop.add_reader(s.getsockopt(zmq.FD), on_fd, i)
+    while not all(got):
+        await asyncio.sleep(0.005)  # benchmark pacing only: the probes to arrive
+    for a in pipes:
+        a.send("go")
+    starts = [a.recv() for a in pipes]
+    base = list(got)
+    cpu0 = time.process_time()
+    deadline = time.monotonic() + 600
+    while sum(got) - sum(base) < publishers * messages and time.monotonic() < deadline:
+        await asyncio.sleep(0.25)
+    cpu = time.process_time() - cpu0
+    for s in socks:
+        loop.remove_reader(s.getsockopt(zmq.FD))
+        s.close(0)
+    ctx.term()
+    for a in pipes:
+        a.send("bye")
+    for p in procs:
+        p.join(5)
+    return {"applied": sum(got) - sum(base), "cpu_s": cpu, "start_seqs": starts}
+
+
+async def _ingest(
+    publishers: int, messages: int, per_message: int = 1, rate: float = 0.0
+) -> tuple[float, int, dict]:
+    from indexer.subscriber import Subscriber, WorkerEndpoint
+
+    pipes, procs, endpoints = _spawn(publishers, messages, per_message, rate)
     index = PrefixIndex(BS)
     sub = Subscriber(index)
     await sub.start()
@@ -127,6 +201,7 @@ async def _ingest(publishers: int, messages: int, per_message: int = 1) -> tuple
     for k in keys:
         base[k] = sub.stats()[k].messages
     t0 = None
+    cpu0 = time.process_time()
     total = publishers * messages
     deadline = time.monotonic() + 600
     while True:
@@ -136,8 +211,10 @@ async def _ingest(publishers: int, messages: int, per_message: int = 1) -> tuple
             t0 = time.perf_counter()
         if done >= total or time.monotonic() > deadline:
             break
-        await asyncio.sleep(0.002)
+        # paced: polled rarely, so the poll's own CPU stays out of the per-message figure
+        await asyncio.sleep(0.25 if rate > 0 else 0.002)
     elapsed = time.perf_counter() - (t0 or time.perf_counter())
+    cpu = time.process_time() - cpu0
     st = sub.stats()
     info = {
         "gaps": sum(st[k].gaps for k in keys),
@@ -145,6 +222,7 @@ async def _ingest(publishers: int, messages: int, per_message: int = 1) -> tuple
         "entries": index.entries(),
         "applied": sum(st[k].messages - base[k] for k in keys),
         "start_seqs": starts,
+        "cpu_s": cpu,
     }
     await sub.aclose()
     for a in pipes:
@@ -281,9 +359,18 @@ def bench_memory() -> list[tuple[str, int, int, float, float | None]]:
     return rows
 
 
+def _run_loop(coro):
+    """``coro`` on uvloop, the router's loop (``--loop asyncio``: the standard one)."""
+    if os.environ.get("BENCH_LOOP", "uvloop") == "uvloop":
+        import uvloop
+
+        return uvloop.run(coro)
+    return asyncio.run(coro)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=["ingest", "match", "memory"])
+    ap.add_argument("--only", choices=["ingest", "paced", "match", "memory"])
     ap.add_argument("--publishers", type=int, default=2)
     ap.add_argument("--messages", type=int, default=30_000, help="messages per publisher")
     ap.add_argument("--rounds", type=int, default=3000, help="match calls per row")
@@ -295,6 +382,13 @@ def main() -> None:
         default=[1, 4],
         help="BlockStored events per ZMQ message (each with its BlockRemoved once the window is full)",
     )
+    ap.add_argument(
+        "--rate",
+        type=float,
+        default=50.0,
+        help="paced: messages per second per publisher (8 publishers, --seconds long)",
+    )
+    ap.add_argument("--seconds", type=float, default=20.0, help="paced: how long")
     args = ap.parse_args()
 
     if args.only in (None, "ingest"):
@@ -313,6 +407,31 @@ def main() -> None:
             rate = statistics.median(r[0] for r in runs)
             print(f"| | {per} | median | | **{rate:,.0f}** | |")
         print("\ntarget >= 500,000 blocks/s; Dynamo's indexer reference ~960,000 on this machine")
+
+    if args.only in (None, "paced"):
+        n = max(1, int(args.rate * args.seconds))
+        print(f"\n## paced ingest (8 publishers x {args.rate:g} messages/s, 1 store each)\n")
+        print("| run | reader | messages | CPU s | CPU µs per message |")
+        print("|---|---|---|---|---|")
+        per_msg: dict[str, list[float]] = {"Subscriber": [], "bare": []}
+        for i in range(args.repeat):  # the two readers in turn, so both see the same noise
+            for name, coro in (
+                ("Subscriber", lambda: _ingest(8, n, 1, args.rate)),
+                ("bare", lambda: _bare_reader(8, n, args.rate)),
+            ):
+                res = _run_loop(coro())
+                info = res[2] if isinstance(res, tuple) else res
+                us = info["cpu_s"] / max(1, info["applied"]) * 1e6
+                per_msg[name].append(us)
+                print(
+                    f"| {i + 1} | {name} | {info['applied']:,} | {info['cpu_s']:.2f} | {us:.1f} |"
+                )
+        for name, xs in per_msg.items():
+            print(f"| median | {name} | | | **{statistics.median(xs):.1f}** |")
+        print(
+            "\n(this process's CPU, all its threads: the reader, the event loop, libzmq's I/O"
+            " thread; bare: the same messages received and dropped by a loop callback)"
+        )
 
     if args.only in (None, "match"):
         rows = bench_match(args.rounds)
