@@ -9,7 +9,6 @@ import asyncio
 import json
 import os
 import re
-import resource
 import signal
 import sys
 from pathlib import Path
@@ -22,8 +21,14 @@ READY = b"GET /ready HTTP/1.1\r\nHost: x\r\n\r\n"
 CAP = re.compile(r"connections: at most (\d+) clients .*RLIMIT_NOFILE 256 \(raised from 128\)")
 
 
-def _low_nofile() -> None:  # (in the child, before exec)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (128, 256))
+# The limit is set by a launcher that then execs the router, not by a preexec_fn: a preexec_fn
+# makes the child a plain fork that runs Python, and a pytest process that has loaded gRPC (the
+# EPP tests) has fork handlers that can break that child before its exec (seen: gRPC's poller
+# failing in it, the router never starting).
+LOW_NOFILE = (
+    "import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (128, 256)); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+)
 
 
 async def _request(conn: tuple[asyncio.StreamReader, asyncio.StreamWriter], raw: bytes) -> bytes:
@@ -47,9 +52,9 @@ async def test_connections_past_the_cap_get_503_and_workers_stay_reachable(tmp_p
     spec = f"id=w,url={w.url},events={w.events_endpoint},replay={w.replay_endpoint}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTER_")}
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "router", "serve", "--config", str(cfg), "--port", "0",
-        "--worker", spec, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        env=dict(env, PYTHONPATH=str(ROOT)), cwd=str(ROOT), preexec_fn=_low_nofile,
+        sys.executable, "-c", LOW_NOFILE, "-m", "router", "serve", "--config", str(cfg),
+        "--port", "0", "--worker", spec, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE, env=dict(env, PYTHONPATH=str(ROOT)), cwd=str(ROOT),
     )  # fmt: skip
     assert proc.stdout is not None and proc.stderr is not None
     log: list[str] = []
