@@ -50,7 +50,10 @@ Steps:
    size, i.e. what the maintained server alone costs. Bodies: ``{"token_ids": doc[:4096]}`` for
    ``/route`` and ``{"token_ids": doc[:4096], "model_name": "default"}`` for ``/query`` (256
    blocks), the documents drawn by ``random.Random(1)`` as in ``bench_route.py``. Latency:
-   client-side, from the request write to the last response byte.
+   client-side, from the request write to the last response byte. With ``--floors`` the table
+   also splits "router - floor": the answer itself (the router's mean time from the body read
+   to the encoded answer, from its ``/metrics``: decoding, hashing, matching, ranking,
+   encoding); the rest is its HTTP layers (request id, dispatch, body read, send).
 
 The table gives each server's p50/p99 as the median over rounds with every round's beside it, and
 router/Dynamo ratios per round and their median. On the 2-vCPU dev VM identical runs differ by
@@ -116,6 +119,18 @@ def router_matched(c: Client, body: bytes) -> dict[int, int]:
 
 
 # --------------------------------------------------------------------------- benchmark
+
+
+def route_answer_mean(c: Client) -> float | None:
+    """The router's own mean time to answer a ``/route`` once its body is read (placement and
+    the answer's encoding: ``kvrouter_route_latency_seconds``, over every request it served)."""
+    text = c.call("GET", "/metrics")[1].decode()
+    got = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("kvrouter_route_latency_seconds_sum", "kvrouter_route_latency_seconds_count"):
+            got[name.rsplit("_", 1)[1]] = float(value)
+    return got["sum"] / got["count"] if got.get("count") else None
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -279,7 +294,9 @@ def _bench(args: argparse.Namespace, log: IO[bytes]) -> dict[str, Any]:
 
         measure(WARMUP)
         rounds = [measure(args.queries) for _ in range(args.rounds)]
+        answer = route_answer_mean(rc)
         return {
+            "answer": answer,
             "rounds": rounds,
             "done": done,
             "stored": stored,
@@ -364,6 +381,11 @@ def main() -> None:
         each = "  ".join(f"{a * us:.0f}/{b * us:.0f}" for a, b in over)
         label = f"router - {http} floor"
         print(f"{label:<28}{o50 * us:>8.0f}us{o99 * us:>8.0f}us   {each}")
+        if res["answer"] is not None:  # what of that is the answer itself, what the HTTP layers
+            label = "  of which: the answer"
+            print(
+                f"{label:<28}{res['answer'] * us:>8.0f}us{'':>10}   (mean, the router's /metrics)"
+            )
     print(
         "(each column: the median over rounds; ratios per round, the same round's noise for both)"
     )
