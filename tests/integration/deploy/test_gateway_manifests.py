@@ -22,7 +22,7 @@ import pytest
 import yaml
 from test_kubernetes_manifests import KUBE_VERSION, compose, docs, find, pod_spec
 
-from router.settings import load_settings
+from router.settings import ProxySettings, load_settings
 
 ROOT = Path(__file__).resolve().parents[3]
 GATEWAY = ROOT / "deploy" / "gateway"
@@ -323,6 +323,13 @@ def test_standalone_envoy_speaks_the_endpoint_picker_protocol() -> None:
         "use_http_header": True,
         "http_header_name": "x-gateway-destination-endpoint",
     }
+    # an idle worker connection closes on Envoy's side first, as the proxy's pool does: under
+    # the workers' own idle timeout (uvicorn's 5 s), never a request sent into a worker's FIN
+    http1 = workers["typed_extension_protocol_options"][
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+    ]
+    idle = http1["common_http_protocol_options"]["idle_timeout"]
+    assert idle == f"{ProxySettings().keepalive_s:g}s" and float(idle[:-1]) < 5
     fmt = hcm["access_log"][0]["typed_config"]["log_format"]["json_format"]
     assert fmt["upstream_host"] == "%UPSTREAM_HOST%"
     assert fmt["destination_endpoint"] == "%REQ(x-gateway-destination-endpoint)%"

@@ -331,6 +331,31 @@ async def test_50_concurrent_streams_none_mixed_up_no_ticket_leaked(gateway: Gat
     await wait_for(settled, 20, "no request in flight at the router")
 
 
+def _worker_cx(gw: Gateway) -> dict[str, int]:
+    """Envoy's connection counters of the worker cluster (its admin ``/stats``)."""
+    text = httpx.get(gw.envoy.admin + "/stats?filter=original_destination_cluster", timeout=5).text
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(": ")
+        if value.isdigit():  # (counters and gauges; histograms read "No recorded values")
+            out[name.rsplit(".", 1)[-1]] = int(value)
+    return out
+
+
+def test_envoy_closes_an_idle_worker_connection_before_the_worker_does(gateway: Gateway) -> None:
+    """Envoy's side of a worker connection goes idle-closed after 2 s (the proxy's pool's
+    ``keepalive_s``), under any worker's own idle timeout (uvicorn's 5 s; the tap's 75 s), so no
+    request is ever sent into a connection its worker is closing."""
+    before = _worker_cx(gateway)
+    r = gateway.post("/v1/completions", {"prompt": "idle", "max_tokens": 4}, test_id="idle")
+    assert r.status_code == 200
+    assert _worker_cx(gateway)["upstream_cx_total"] >= 1
+    poll(lambda: _worker_cx(gateway)["upstream_cx_active"] == 0, 10, "Envoy to close it")
+    after = _worker_cx(gateway)
+    assert after["upstream_cx_idle_timeout"] > before.get("upstream_cx_idle_timeout", 0)
+    assert after["upstream_cx_destroy_remote"] == before.get("upstream_cx_destroy_remote", 0)
+
+
 def test_envoy_fails_closed_when_the_epp_stops(engines: list[Worker], tmp_path: Path) -> None:
     with open(tmp_path / "router.log", "w") as log:
         router = start_router(engines, log, threading.Event())
