@@ -180,6 +180,11 @@ async def _bare_reader(publishers: int, messages: int, rate: float) -> dict:
     return {"applied": sum(got) - sum(base), "cpu_s": cpu, "start_seqs": starts}
 
 
+async def _paced_subscriber(messages: int, rate: float) -> dict:
+    """Paced ingest by the real ``Subscriber``: 8 publishers, one store per message."""
+    return (await _ingest(8, messages, 1, rate))[2]
+
+
 async def _ingest(
     publishers: int, messages: int, per_message: int = 1, rate: float = 0.0
 ) -> tuple[float, int, dict]:
@@ -359,15 +364,6 @@ def bench_memory() -> list[tuple[str, int, int, float, float | None]]:
     return rows
 
 
-def _run_loop(coro):
-    """``coro`` on uvloop, the router's loop (``--loop asyncio``: the standard one)."""
-    if os.environ.get("BENCH_LOOP", "uvloop") == "uvloop":
-        import uvloop
-
-        return uvloop.run(coro)
-    return asyncio.run(coro)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", choices=["ingest", "paced", "match", "memory"])
@@ -409,6 +405,8 @@ def main() -> None:
         print("\ntarget >= 500,000 blocks/s; Dynamo's indexer reference ~960,000 on this machine")
 
     if args.only in (None, "paced"):
+        import uvloop
+
         n = max(1, int(args.rate * args.seconds))
         print(f"\n## paced ingest (8 publishers x {args.rate:g} messages/s, 1 store each)\n")
         print("| run | reader | messages | CPU s | CPU µs per message |")
@@ -416,11 +414,10 @@ def main() -> None:
         per_msg: dict[str, list[float]] = {"Subscriber": [], "bare": []}
         for i in range(args.repeat):  # the two readers in turn, so both see the same noise
             for name, coro in (
-                ("Subscriber", lambda: _ingest(8, n, 1, args.rate)),
+                ("Subscriber", lambda: _paced_subscriber(n, args.rate)),
                 ("bare", lambda: _bare_reader(8, n, args.rate)),
             ):
-                res = _run_loop(coro())
-                info = res[2] if isinstance(res, tuple) else res
+                info = uvloop.run(coro())  # the router's loop
                 us = info["cpu_s"] / max(1, info["applied"]) * 1e6
                 per_msg[name].append(us)
                 print(

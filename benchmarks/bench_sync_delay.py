@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -102,9 +104,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         def peers(c: Client) -> float:
             _, text, _ = c.call("GET", "/metrics")
-            for line in text.decode().splitlines():
-                if line.startswith("kvrouter_replica_peers"):
-                    return float(line.split()[-1])
+            for family in text_string_to_metric_families(text.decode()):
+                if family.name == "kvrouter_replica_peers":
+                    return sum(sample.value for sample in family.samples)
             return 0.0
 
         wait_until(lambda: all(peers(c) >= 1 for c in (a, b)), 30, "each replica hearing the other")

@@ -124,13 +124,17 @@ def router_matched(c: Client, body: bytes) -> dict[int, int]:
 def route_answer_mean(c: Client) -> float | None:
     """The router's own mean time to answer a ``/route`` once its body is read (placement and
     the answer's encoding: ``kvrouter_route_latency_seconds``, over every request it served)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     text = c.call("GET", "/metrics")[1].decode()
-    got = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in ("kvrouter_route_latency_seconds_sum", "kvrouter_route_latency_seconds_count"):
-            got[name.rsplit("_", 1)[1]] = float(value)
-    return got["sum"] / got["count"] if got.get("count") else None
+    got = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "kvrouter_route_latency_seconds"
+        for sample in family.samples
+    }
+    count = got.get("kvrouter_route_latency_seconds_count")
+    return got["kvrouter_route_latency_seconds_sum"] / count if count else None
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
