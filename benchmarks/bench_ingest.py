@@ -17,11 +17,13 @@ Run (about two minutes on the 2-core dev machine):
 1b. paced: the same stream as engines publish it live, one step's events at a time: 8
    publishers, each ``--rate`` messages a second at exponential intervals (one 16-block store
    and, once the window is full, one removal per message). Reported: this process's CPU per
-   message (all its threads: the subscriber task, the event loop, libzmq's I/O thread), for
-   the real ``Subscriber`` and for a bare reader of the same publishers (each SUB's ZMQ_FD on
-   the loop, every message received and dropped: no task, no decode, no index), in turn. At a
-   live rate every message is one wake-up of an idle loop, and a wake-up costs more than the
-   message: the bare reader is the floor no subscriber on this loop and libzmq goes under.
+   message (all its threads: the subscriber task, the event loop, libzmq's I/O thread), in turn
+   for the real ``Subscriber`` with the router's read window (``subscriber.batch_window_ms``)
+   and without one, and for a bare reader of the same publishers (each SUB's ZMQ_FD on the
+   loop, every message received and dropped: no task, no decode, no index). Without a window,
+   at a live rate every message is one wake-up of an idle loop, and a wake-up costs more than
+   the message: the bare reader is the floor of reading each message as it comes; the window
+   reads a busy fleet once per window instead.
 2. match: p50/p99 of `request_hashes` + `match` (hashing included, tokenization not) for 512,
    4,096 and 32,768-token requests against 8, 64 and 512 workers holding random-length prefixes of
    shared documents (system prompts shared by groups of documents).
@@ -48,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from indexer.events import BlockRemoved, BlockStored
 from indexer.index import PrefixIndex
+from router.settings.config import SubscriberSettings
 
 BS = 16
 BLOCKS_PER_EVENT = 16
@@ -180,19 +183,23 @@ async def _bare_reader(publishers: int, messages: int, rate: float) -> dict:
     return {"applied": sum(got) - sum(base), "cpu_s": cpu, "start_seqs": starts}
 
 
-async def _paced_subscriber(messages: int, rate: float) -> dict:
+async def _paced_subscriber(messages: int, rate: float, batch_window: float) -> dict:
     """Paced ingest by the real ``Subscriber``: 8 publishers, one store per message."""
-    return (await _ingest(8, messages, 1, rate))[2]
+    return (await _ingest(8, messages, 1, rate, batch_window))[2]
 
 
 async def _ingest(
-    publishers: int, messages: int, per_message: int = 1, rate: float = 0.0
+    publishers: int,
+    messages: int,
+    per_message: int = 1,
+    rate: float = 0.0,
+    batch_window: float = 0.0,
 ) -> tuple[float, int, dict]:
     from indexer.subscriber import Subscriber, WorkerEndpoint
 
     pipes, procs, endpoints = _spawn(publishers, messages, per_message, rate)
     index = PrefixIndex(BS)
-    sub = Subscriber(index)
+    sub = Subscriber(index, batch_window=batch_window)
     await sub.start()
     for i, ep in enumerate(endpoints):
         await sub.add_worker(WorkerEndpoint(f"pub{i}", ep))
@@ -411,10 +418,13 @@ def main() -> None:
         print(f"\n## paced ingest (8 publishers x {args.rate:g} messages/s, 1 store each)\n")
         print("| run | reader | messages | CPU s | CPU µs per message |")
         print("|---|---|---|---|---|")
-        per_msg: dict[str, list[float]] = {"Subscriber": [], "bare": []}
-        for i in range(args.repeat):  # the two readers in turn, so both see the same noise
+        window = SubscriberSettings().batch_window_ms
+        batched, unbatched = f"Subscriber, {window:g} ms window", "Subscriber, no window"
+        per_msg: dict[str, list[float]] = {batched: [], unbatched: [], "bare": []}
+        for i in range(args.repeat):  # the readers in turn, so all see the same noise
             for name, coro in (
-                ("Subscriber", lambda: _paced_subscriber(n, args.rate)),
+                (batched, lambda: _paced_subscriber(n, args.rate, window / 1000)),
+                (unbatched, lambda: _paced_subscriber(n, args.rate, 0.0)),
                 ("bare", lambda: _bare_reader(8, n, args.rate)),
             ):
                 info = uvloop.run(coro())  # the router's loop

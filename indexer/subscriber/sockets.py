@@ -3,6 +3,13 @@ whose ``zmq.FD`` is registered with the asyncio loop (a ``Watch``); a socket tha
 is queued in ``Sockets.ready`` and wakes the task, which drains it with ``receive``: the one drain
 loop, bounded per round so one busy socket cannot starve the others. No future per message.
 
+Batching (``batch_window`` > 0): at a live rate every message would be one wake-up of an idle
+loop, and the wake-up costs more than the message (``benchmarks/bench_ingest.py --only paced``).
+So once a SUB has woken the task, every SUB's reader comes off the loop (``hold``) and the task
+polls them all once per window (``poll``), draining whatever came meanwhile in one round; the first
+poll that finds nothing puts the readers back (``release``). An idle fleet costs nothing, the
+first message after a quiet spell is read at once, and a busy one is read at most a window late.
+
 Per worker rank: a SUB on the event endpoint with a monitor (PAIR) that reports its connection;
 while a replay runs, a DEALER on the replay endpoint (opened by ``indexer.subscriber.replay``).
 """
@@ -57,7 +64,14 @@ class Sockets:
     """Creates, registers and closes the subscriber's sockets; holds the queue of readable ones
     and the future the task sleeps on. Used by the subscriber task only."""
 
-    def __init__(self, ctx: zmq.Context[Any], *, rcvhwm: int, max_message_bytes: int) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context[Any],
+        *,
+        rcvhwm: int,
+        max_message_bytes: int,
+        batch_window: float = 0.0,
+    ) -> None:
         self._ctx = ctx
         self._rcvhwm = rcvhwm
         # ZMQ_MAXMSGSIZE of publisher-facing sockets: a peer sending more is cut off unbuffered
@@ -66,6 +80,12 @@ class Sockets:
         #: Watches with messages waiting (a dict: ordered, no duplicates).
         self.ready: dict[Watch, None] = {}
         self._wake: asyncio.Future[None] | None = None
+        #: Seconds between polls of the SUBs while held (0: a wake-up per readable SUB).
+        self.batch_window = batch_window
+        #: Every open SUB's watch; ``held``: their readers are off the loop, the task polls them.
+        self._subs: dict[Watch, None] = {}
+        self.held = False
+        self._poll_timer: asyncio.TimerHandle | None = None
 
     # ------------------------------------------------------------------ open
 
@@ -93,8 +113,10 @@ class Sockets:
         sub.connect(r.events_ep)
         if r.events_ep.startswith("inproc://"):  # no handshake, so no monitor event, in-process
             r.stats.connected = r.ever_connected = True
+        self._subs[r.sub] = None
         for w in (r.sub, r.mon):
-            loop.add_reader(w.fd, self.on_fd, w)
+            if not (self.held and w is r.sub):  # a held SUB is read at the next poll
+                loop.add_reader(w.fd, self.on_fd, w)
             self.on_fd(w)
 
     def open_dealer(
@@ -137,6 +159,7 @@ class Sockets:
             return
         w.closed = True
         self.ready.pop(w, None)
+        self._subs.pop(w, None)
         try:
             asyncio.get_running_loop().remove_reader(w.fd)
         except RuntimeError:  # no running loop (closing outside one): nothing is registered
@@ -158,15 +181,59 @@ class Sockets:
     def on_fd(self, w: Watch) -> None:
         """Queue ``w`` if it holds messages. ZMQ_FD is edge-like: reading ZMQ_EVENTS resets it,
         so the check is made here, whenever the loop reports the fd or a drain stopped early."""
+        if self._readable(w):
+            self.ready[w] = None
+            self.wakeup()
+
+    @staticmethod
+    def _readable(w: Watch) -> bool:
         if w.closed:
-            return
+            return False
         try:
             events: int = w.sock.getsockopt(zmq.EVENTS)  # type: ignore[assignment]
         except zmq.ZMQError:
+            return False
+        return bool(events & zmq.POLLIN)
+
+    def is_sub(self, w: Watch) -> bool:
+        return w in self._subs
+
+    def hold(self) -> None:
+        """Take every SUB's reader off the loop and poll them once per window until a poll finds
+        nothing (``release``)."""
+        if self.held:
             return
-        if events & zmq.POLLIN:
-            self.ready[w] = None
-            self.wakeup()
+        loop = asyncio.get_running_loop()
+        for w in self._subs:
+            loop.remove_reader(w.fd)
+        self.held = True
+        self._poll_timer = loop.call_later(self.batch_window, self._poll)
+
+    def _poll(self) -> None:
+        self._poll_timer = None
+        found = False
+        for w in self._subs:
+            if self._readable(w):
+                self.ready[w] = None
+                found = True
+        if not found:  # a quiet window: the next message wakes the task again
+            self.release()
+            return
+        self.wakeup()
+        self._poll_timer = asyncio.get_running_loop().call_later(self.batch_window, self._poll)
+
+    def release(self) -> None:
+        """Put the SUBs' readers back on the loop (queueing any that holds messages)."""
+        if not self.held:
+            return
+        self.held = False
+        if self._poll_timer is not None:
+            self._poll_timer.cancel()
+            self._poll_timer = None
+        loop = asyncio.get_running_loop()
+        for w in self._subs:
+            loop.add_reader(w.fd, self.on_fd, w)
+            self.on_fd(w)
 
     def wakeup(self) -> None:
         wake = self._wake

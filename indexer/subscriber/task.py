@@ -58,12 +58,20 @@ class Subscriber:
         rcvhwm: int = 1_000,
         max_buffered: int = 100_000,
         max_message_bytes: int = 64 << 20,
+        # seconds: a busy fleet's messages are read once per window, not each on a wake-up of
+        # its own (``indexer.subscriber.sockets``); 0 reads every message as it comes
+        batch_window: float = 0.0,
     ) -> None:
         self._index = index
         self._own_ctx = context is None
         self._ctx: zmq.Context[Any] = zmq.Context() if context is None else context
         self._clock = clock
-        self._sockets = Sockets(self._ctx, rcvhwm=rcvhwm, max_message_bytes=max_message_bytes)
+        self._sockets = Sockets(
+            self._ctx,
+            rcvhwm=rcvhwm,
+            max_message_bytes=max_message_bytes,
+            batch_window=batch_window,
+        )
         writer = IndexWriter(index)
         self._replays = Replays(
             writer, self._sockets, clock=clock, timeout=replay_timeout, then=self._after_replay
@@ -94,6 +102,7 @@ class Subscriber:
         if self._task is not None:
             await self._task
         self._closed = True
+        self._sockets.release()  # no poll timer outlives the subscriber
         for _, ranks in self._workers.values():
             for r in ranks:
                 self._close_rank(r)
@@ -146,6 +155,12 @@ class Subscriber:
 
     def ready(self) -> bool:
         return all(self.worker_ready(wid) for wid in self._workers)
+
+    @property
+    def batching(self) -> bool:
+        """The event sockets are read once per ``batch_window`` (the fleet is busy), not on a
+        wake-up per message."""
+        return self._sockets.held
 
     def seconds_since_last_message(self, worker_id: str) -> float | None:
         """Freshness: seconds since any rank of the worker last sent a message (None: never)."""
@@ -269,6 +284,8 @@ class Subscriber:
 
     async def _run(self) -> None:
         sockets, ready = self._sockets, self._sockets.ready
+        loop, window = asyncio.get_running_loop(), sockets.batch_window
+        woken = [-window, -window]  # loop times of the last two wake-ups by a SUB
         while True:
             try:
                 if self._commands:
@@ -292,6 +309,12 @@ class Subscriber:
                         continue
                     if more and not w.closed:
                         ready[w] = None
+                if window > 0 and not sockets.held and any(map(sockets.is_sub, batch)):
+                    # three wake-ups within a window: the fleet is busy, read it once per window
+                    now = loop.time()
+                    if now - woken[0] < window:
+                        sockets.hold()
+                    woken[0], woken[1] = woken[1], now
                 if self._index.capped:
                     self._index.enforce_cap()
                 await asyncio.sleep(0)

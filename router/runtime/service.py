@@ -113,6 +113,7 @@ class Runtime:
             self.index,
             replay_timeout=settings.subscriber.replay_timeout_s,
             max_message_bytes=settings.subscriber.max_message_bytes,
+            batch_window=settings.subscriber.batch_window_ms / 1000,
         )
         if seqs:  # resume each worker rank after its snapshotted seq (replay closes the gap)
             self.subscriber.restore_seqs(seqs)

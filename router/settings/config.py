@@ -151,10 +151,12 @@ class RouteSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 class SubscriberSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     replay_timeout_s: float = 2.0
     max_message_bytes: int = 64 << 20
+    batch_window_ms: float = 10.0
 
     def __post_init__(self) -> None:
         _check(self.replay_timeout_s > 0, "replay_timeout_s", "must be > 0")
         _check(self.max_message_bytes > 0, "max_message_bytes", "must be > 0")
+        _check(0 <= self.batch_window_ms <= 1000, "batch_window_ms", "must be in [0, 1000]")
 
 
 class IndexSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
