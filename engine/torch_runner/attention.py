@@ -158,28 +158,15 @@ def _gather(pool: torch.Tensor, table: torch.Tensor, ctx: int) -> tuple[torch.Te
     return kv[0].unsqueeze(0), kv[1].unsqueeze(0)
 
 
-def _offset_causal_mask(q_len: int, ctx: int, device: torch.device) -> torch.Tensor:
-    """Query i (absolute position ctx - q_len + i) sees keys 0..ctx - q_len + i: the dense form of
-    ``causal_lower_right(q_len, ctx)``, which the forward uses instead."""
-    rows = torch.arange(q_len, device=device)[:, None] + (ctx - q_len)
-    return torch.arange(ctx, device=device)[None, :] <= rows
-
-
 def masked_sdpa(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     mask: torch.Tensor | None,
     scale: float,
-    *,
-    expand_kv: bool = False,
 ) -> torch.Tensor:
-    """SDPA over ``[B, heads, n, hd]`` queries and ``[B, kv_heads, ctx, hd]`` keys/values, GQA
-    either native or (``expand_kv``) by repeating each KV head for its query-head group."""
-    groups = q.shape[1] // k.shape[1]
-    if expand_kv and groups > 1:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
+    """SDPA over ``[B, heads, n, hd]`` queries and ``[B, kv_heads, ctx, hd]`` keys/values, with
+    SDPA's own GQA when there are fewer KV heads than query heads."""
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
     )

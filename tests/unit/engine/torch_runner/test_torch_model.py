@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch_helpers import BLOCK, DEVICE, DTYPES, PAGED_TOL, dtype_name, prompt
 
-from engine.torch_runner.attention import SeqSpan, _offset_causal_mask, build_metadata, masked_sdpa
+from engine.torch_runner.attention import SeqSpan, build_metadata, masked_sdpa
 from engine.torch_runner.kv_pool import KVPool
 from engine.torch_runner.loader import load_model
 
@@ -114,17 +114,20 @@ def test_slot_mapping_and_decode_plan():
         build_metadata([SeqSpan(3, 2, [1])], BLOCK, DEVICE)
 
 
-def test_expanded_kv_heads_match_native_gqa():
-    # the CUDA path repeats KV heads for the masked kernel; it must equal SDPA's own GQA (on CUDA
-    # the two run different kernels: math for native GQA, memory-efficient for the expanded heads)
+def test_masked_gqa_matches_kv_heads_repeated_per_group():
+    # masked_sdpa's native GQA against the reference: each KV head repeated for its query-head
+    # group, under the dense causal mask of 5 queries at the end of a 12-token context
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, 6, 5, 16, generator=gen).to(DEVICE)
     k, v = torch.randn(2, 1, 2, 12, 16, generator=gen).to(DEVICE)
-    mask = _offset_causal_mask(5, 12, q.device)
+    rows = torch.arange(5, device=q.device)[:, None] + (12 - 5)
+    mask = torch.arange(12, device=q.device)[None, :] <= rows
     atol = 1e-6 if q.device.type == "cpu" else 1e-5
     native = masked_sdpa(q, k, v, mask, 0.25)
-    expanded = masked_sdpa(q, k, v, mask, 0.25, expand_kv=True)
-    torch.testing.assert_close(expanded, native, atol=atol, rtol=0)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1), attn_mask=mask, scale=0.25
+    )
+    torch.testing.assert_close(native, ref, atol=atol, rtol=0)
     # query head 5 belongs to KV head 1 (groups of 3)
     alone = masked_sdpa(q[:, 5:6], k[:, 1:2], v[:, 1:2], mask, 0.25)
     torch.testing.assert_close(native[:, 5:6], alone, atol=atol, rtol=0)
