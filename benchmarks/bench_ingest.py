@@ -134,6 +134,21 @@ def _spawn(
     return pipes, procs, [a.recv() for a in pipes]
 
 
+def _go(pipes: list) -> list:
+    """Start the publishers' streams; their first stream seqs. (A blocking receive on the loop's
+    thread: nothing is read until the caller has taken its baseline.)"""
+    for a in pipes:
+        a.send("go")
+    return [a.recv() for a in pipes]
+
+
+def _bye(pipes: list, procs: list) -> None:
+    for a in pipes:
+        a.send("bye")
+    for p in procs:
+        p.join(5)
+
+
 async def _bare_reader(publishers: int, messages: int, rate: float) -> dict:
     """The floor of paced ingest: the same publishers read by a bare event-loop reader (each
     SUB's ZMQ_FD registered with the loop, every waiting message received and dropped), no
@@ -163,9 +178,7 @@ async def _bare_reader(publishers: int, messages: int, rate: float) -> dict:
         loop.add_reader(s.getsockopt(zmq.FD), on_fd, i)
     while not all(got):
         await asyncio.sleep(0.005)  # benchmark pacing only: the probes to arrive
-    for a in pipes:
-        a.send("go")
-    starts = [a.recv() for a in pipes]
+    starts = _go(pipes)
     base = list(got)
     cpu0 = time.process_time()
     deadline = time.monotonic() + 600
@@ -176,10 +189,7 @@ async def _bare_reader(publishers: int, messages: int, rate: float) -> dict:
         loop.remove_reader(s.getsockopt(zmq.FD))
         s.close(0)
     ctx.term()
-    for a in pipes:
-        a.send("bye")
-    for p in procs:
-        p.join(5)
+    _bye(pipes, procs)
     return {"applied": sum(got) - sum(base), "cpu_s": cpu, "start_seqs": starts}
 
 
@@ -206,12 +216,8 @@ async def _ingest(
     keys = [(f"pub{i}", 0) for i in range(publishers)]
     while not all(k in sub.stats() and sub.stats()[k].messages > 0 for k in keys):
         await asyncio.sleep(0.005)  # benchmark pacing only: waiting for probes to arrive
-    base = {}
-    for a in pipes:
-        a.send("go")
-    starts = [a.recv() for a in pipes]
-    for k in keys:
-        base[k] = sub.stats()[k].messages
+    starts = _go(pipes)
+    base = {k: sub.stats()[k].messages for k in keys}
     t0 = None
     cpu0 = time.process_time()
     total = publishers * messages
@@ -237,10 +243,7 @@ async def _ingest(
         "cpu_s": cpu,
     }
     await sub.aclose()
-    for a in pipes:
-        a.send("bye")
-    for p in procs:
-        p.join(5)
+    _bye(pipes, procs)
     return elapsed, done * per_message * BLOCKS_PER_EVENT, info
 
 
