@@ -25,7 +25,13 @@ from indexer.events import EngineHash, Event, EventBatch
 from indexer.index.apply import Applier
 from indexer.index.evict import Evictor
 from indexer.index.match import Matcher
-from indexer.index.snapshot import decode_snapshot, encode_snapshot, read_snapshot, write_snapshot
+from indexer.index.snapshot import (
+    decode_snapshot,
+    encode_snapshot,
+    read_snapshot,
+    save_snapshot,
+    write_snapshot,
+)
 from indexer.index.state import IndexState
 from indexer.index.types import (
     MAX_UNKNOWN_MEDIUMS,
@@ -209,6 +215,12 @@ class PrefixIndex:
     def snapshot_bytes(self, seqs: Mapping[WorkerKey, int]) -> bytes:
         """What ``snapshot`` writes, as bytes (a peer router's warm start)."""
         return encode_snapshot(self._state, seqs)
+
+    @staticmethod
+    def save_snapshot_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+        """Write ``snapshot_bytes``'s bytes as ``snapshot`` would (atomic); it reads no index, so
+        it may run in a thread."""
+        save_snapshot(path, data)
 
     @classmethod
     def from_snapshot_bytes(cls, data: bytes) -> tuple[PrefixIndex, dict[WorkerKey, int]]:

@@ -19,7 +19,13 @@ from indexer.index.rechunk import RechunkTable
 from indexer.index.state import IndexState
 from indexer.index.types import MAX_TIERS, SnapshotError, WorkerKey
 
-__all__ = ["decode_snapshot", "encode_snapshot", "read_snapshot", "write_snapshot"]
+__all__ = [
+    "decode_snapshot",
+    "encode_snapshot",
+    "read_snapshot",
+    "save_snapshot",
+    "write_snapshot",
+]
 
 FORMAT = "kvrouter-index-snapshot/1"
 _EH = int | bytes
@@ -68,7 +74,12 @@ def write_snapshot(
     index: IndexState, path: str | os.PathLike[str], seqs: Mapping[WorkerKey, int]
 ) -> None:
     """Write ``index`` and each worker rank's resume point; atomic (write + rename)."""
-    data = encode_snapshot(index, seqs)
+    save_snapshot(path, encode_snapshot(index, seqs))
+
+
+def save_snapshot(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write ``encode_snapshot``'s bytes to ``path``; atomic (write + rename). It reads no index,
+    so it may run off the event loop (one writer at a time: they share the temporary file)."""
     tmp = f"{os.fspath(path)}.tmp"
     with open(tmp, "wb") as f:
         f.write(data)

@@ -83,7 +83,7 @@ async def _housekeeping(state: Runtime) -> None:
 async def _snapshots(state: Runtime) -> None:
     while True:
         await asyncio.sleep(state.settings.snapshot.interval_s)
-        state.write_snapshot()
+        await state.write_snapshot()
 
 
 def create_app(settings: Settings, *, process: int = 0) -> RouterApp:
@@ -150,7 +150,7 @@ def create_app(settings: Settings, *, process: int = 0) -> RouterApp:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             if tasks:  # it ran: keep what it learned for the next start
-                state.write_snapshot()
+                await state.write_snapshot()
             if state.replicas is not None:
                 await state.replicas.aclose()
             await state.subscriber.aclose()

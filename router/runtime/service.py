@@ -10,8 +10,10 @@ placer's state, the metrics, together) and answers readiness. Everything runs on
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from urllib.parse import urlsplit
@@ -83,6 +85,7 @@ class Runtime:
         self.clock = clock
         p = settings.proxy
         self.draining = False  # SIGTERM: /ready answers 503 while in-flight requests finish
+        self._snapshot_lock = threading.Lock()
         #: the current span's trace headers for the worker, when tracing is on (router.edge.tracing)
         self.trace_headers: Callable[[], list[tuple[str, str]]] | None = None
         self.upstream = UpstreamPool(  # the proxy's hot path
@@ -253,13 +256,20 @@ class Runtime:
                 out[-1].stale = stale
         return out
 
-    def write_snapshot(self) -> None:
-        """Index + last applied seq per rank to ``snapshot.path`` (atomic), on the event loop
-        like every index read."""
+    async def write_snapshot(self) -> None:
+        """Index + last applied seq per rank to ``snapshot.path`` (atomic): encoded on the event
+        loop like every index read (one consistent state), written to disk in a thread (about a
+        third of the stall at 1 M entries: 110 ms encoding, 50 ms writing 19 MB)."""
         path = self.settings.snapshot.path
         if not path:
             return
+        data = self.index.snapshot_bytes(self.subscriber.resume_points())
         try:
-            self.index.snapshot(path, self.subscriber.resume_points())
+            await asyncio.to_thread(self._save_snapshot, path, data)
         except OSError as e:
             log.warning("index snapshot to %s failed: %s", path, e)
+
+    def _save_snapshot(self, path: str, data: bytes) -> None:
+        # a periodic write cancelled at shutdown goes on in its thread: the two take turns
+        with self._snapshot_lock:
+            PrefixIndex.save_snapshot_bytes(path, data)

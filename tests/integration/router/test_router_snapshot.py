@@ -35,3 +35,31 @@ async def test_unusable_snapshot_starts_empty(workers, router, http, tmp_path):
     r = await router([a], snapshot={"path": str(path)})
     body = (await http.post(r.url + "/route", json={"token_ids": list(range(64))})).json()
     assert body["matched_blocks"] == 0
+
+
+async def test_periodic_snapshots_are_written_while_the_router_serves(
+    workers, router, http, tmp_path, caplog
+):
+    from indexer.index import PrefixIndex
+
+    path = tmp_path / "index.snap"
+    a = await workers("a")
+    tokens = list(range(64))
+    r = await router([a], snapshot={"path": str(path), "interval_s": 0.05})
+    a.store(tokens)
+    await wait_for(lambda: r.matched(tokens, "a") == 4, 20, "events applied")
+
+    def restored_matches() -> bool:  # a complete file (written to .tmp, then renamed)
+        if not path.exists():
+            return False
+        index, seqs = PrefixIndex.restore(path)
+        return seqs.get(("a", 0)) == 0 and index.entries() == 4
+
+    await wait_for(restored_matches, 20, "a periodic snapshot holding the stored blocks")
+    # a write that fails (a directory where the file goes: the rename fails, even as root) is
+    # logged, and the router goes on serving
+    path.unlink()
+    path.mkdir()
+    await wait_for(lambda: "index snapshot to" in caplog.text, 20, "the failed write logged")
+    body = (await http.post(r.url + "/route", json={"token_ids": tokens})).json()
+    assert body["matched_blocks"] == 4
