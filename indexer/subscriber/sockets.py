@@ -5,10 +5,11 @@ loop, bounded per round so one busy socket cannot starve the others. No future p
 
 Batching (``batch_window`` > 0): at a live rate every message would be one wake-up of an idle
 loop, and the wake-up costs more than the message (``benchmarks/bench_ingest.py --only paced``).
-So once a SUB has woken the task, every SUB's reader comes off the loop (``hold``) and the task
-polls them all once per window (``poll``), draining whatever came meanwhile in one round; the first
-poll that finds nothing puts the readers back (``release``). An idle fleet costs nothing, the
-first message after a quiet spell is read at once, and a busy one is read at most a window late.
+So once SUBs have woken the task three times within a window (the task decides), every SUB's
+reader comes off the loop (``hold``) and a timer polls them all once per window (``_poll``),
+queueing whatever came meanwhile for one round of the task; the first poll that finds nothing
+puts the readers back (``release``). An idle fleet costs nothing, the first message after a quiet
+spell is read at once, and a busy one is read at most a window late.
 
 Per worker rank: a SUB on the event endpoint with a monitor (PAIR) that reports its connection;
 while a replay runs, a DEALER on the replay endpoint (opened by ``indexer.subscriber.replay``).
@@ -82,7 +83,7 @@ class Sockets:
         self._wake: asyncio.Future[None] | None = None
         #: Seconds between polls of the SUBs while held (0: a wake-up per readable SUB).
         self.batch_window = batch_window
-        #: Every open SUB's watch; ``held``: their readers are off the loop, the task polls them.
+        #: Every open SUB's watch; ``held``: their readers are off the loop, a timer polls them.
         self._subs: dict[Watch, None] = {}
         self.held = False
         self._poll_timer: asyncio.TimerHandle | None = None
