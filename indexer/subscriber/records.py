@@ -204,6 +204,7 @@ class WorkerRank:
 
     __slots__ = (
         "clears",
+        "covered",
         "dealer",
         "events_ep",
         "ever_connected",
@@ -242,6 +243,9 @@ class WorkerRank:
         #: Last seq received on the SUB socket; a live seq at or below it means a restart.
         self.live_last = -1
         self.replay: Replay | None = None
+        #: Seqs the last replay applied: their live copies, read after it ended (the SUB had
+        #: not been drained yet, or is read once per window), are skipped like buffered ones.
+        self.covered: tuple[int, int] | None = None
         self.stats = WorkerStats(ep.id, rank)
         #: Hot-path flag: no replay running and trusted, so seq == last + 1 just applies.
         self.fast = True

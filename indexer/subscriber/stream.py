@@ -6,8 +6,9 @@ task; replays are ``indexer.subscriber.replay``'s. Rules (docs/architecture.md Â
   batches wait in the replay's buffer, or, with no replay endpoint, drop the rank's entries.
 - a live seq at or below the previous live seq: the publisher restarted; clear, then start over
   from 0 (replaying what the new process already sent, if needed).
-- after a replay, buffered live batches the replay already covered are skipped; nothing is
-  applied twice, and a rank's batches are applied in seq order.
+- after a replay, live batches the replay already covered are skipped, whether they were buffered
+  while it ran or read after it ended (above the last live seq: their live copies were still
+  queued); nothing is applied twice, and a rank's batches are applied in seq order.
 - a reconnect resumes through a replay that first checks the publisher is the same process.
   Without a replay endpoint only a live seq going backwards can show a restart.
 - a dropped rank is untrusted until an in-order live batch newer than every batch seen when its
@@ -110,6 +111,7 @@ class StreamRules:
         """A replay ended: the live batches it buffered, in order, skipping those in ``covered``
         (the seqs its replies brought)."""
         items = list(buffered)
+        r.covered = covered
         for i, batch in enumerate(items):
             if r.replay is not None:  # a gap inside the buffer started another replay
                 r.replay.buffer.extend(items[i:])
@@ -148,8 +150,8 @@ class StreamRules:
                 self._writer.drop(r, f"gap {last + 1}..{s - 1} and no replay endpoint")
                 r.last = s
                 self._writer.apply(r, batch)
-        elif covered is not None and covered[0] <= s <= covered[1]:
-            st.skipped += 1  # buffered while replaying and already applied from the replay
+        elif (covered := covered or r.covered) is not None and covered[0] <= s <= covered[1]:
+            st.skipped += 1  # a live copy of what the replay applied (buffered, or read late)
             return
         else:
             self._restart(r, batch)
@@ -159,6 +161,7 @@ class StreamRules:
         if r.replay is not None:
             self._replays.abort(r)  # it was replaying the previous process's stream
         self._writer.clear(r)
+        r.covered = None
         st = r.stats
         st.restarts += 1
         st.trusted = True

@@ -14,6 +14,7 @@ import zmq
 import zmq.asyncio
 
 from indexer.index import PrefixIndex
+from indexer.wire import encode_message
 from tests.unit.indexer.conftest import caught_up, endpoint, started, stream, sync_live
 from tests.unit.indexer.kv_publisher import (
     EventPublisher,
@@ -147,6 +148,38 @@ async def test_join_replays_from_zero_without_applying_twice(
         assert st.replayed >= 300 and st.replay_done and st.replay_failures == 0
         assert st.skipped > 0  # buffered live batches the replay had covered were not re-applied
         assert pub.replay_requests[0] == 0
+        assert_same_index(index, reference({key: pub.batches}), [key], gen.queries())
+    finally:
+        await sub.aclose()
+
+
+async def test_live_copies_read_after_the_join_replay_are_not_applied_again(
+    ctx: zmq.asyncio.Context, pubs: list[EventPublisher]
+) -> None:
+    # The join replay brings seqs whose live copies are still queued on the SUB (not drained
+    # yet, or held for a read window): read after the replay ended, above the last live seq,
+    # they are the same batches, not a new publisher process.
+    index = RecordingIndex()
+    sub = await started(index, ctx)
+    pub = EventPublisher(ctx)
+    pubs.append(pub)
+    key = ("w0", 0)
+    try:
+        gen = StreamGen(31)
+        await stream(pub, gen, 50)  # nobody is listening yet
+        pub.reply_delay = 0.3
+        await sub.add_worker(endpoint("w0", pub))
+        await wait_for(lambda: bool(pub.replay_requests), what="join replay request")
+        late = [pub.publish(gen.events(), drop=True) for _ in range(5)]  # replayed, not sent
+        await wait_for(lambda: sub.worker_ready("w0"), what="join replay done")
+        assert sub.stats()[key].last_seq == late[-1]
+        for seq, payload in list(pub.buffer)[-5:]:  # now their live copies come
+            pub.send_raw(encode_message(pub.topic, seq, payload))
+        await stream(pub, gen, 20)
+        await caught_up(sub, key, pub)
+        st = sub.stats()[key]
+        assert index.applied[key] == list(range(pub.seq))  # each exactly once, in order
+        assert st.restarts == 0 and st.skipped == 5
         assert_same_index(index, reference({key: pub.batches}), [key], gen.queries())
     finally:
         await sub.aclose()
