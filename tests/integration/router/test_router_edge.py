@@ -28,8 +28,15 @@ class RawWorker:
         self.server: asyncio.Server | None = None
         self.connections = 0
         self._open: set[asyncio.StreamWriter] = set()
+        self.stopped = False
 
     async def _serve(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        if self.stopped:
+            # accepted before stop() but handled after it (a loaded machine runs the handler
+            # late): close it as stop() closed the others, or a request pooled on it would wait
+            # for an answer from a worker that is gone
+            w.close()
+            return
         self.connections += 1
         self._open.add(w)
         try:
@@ -57,6 +64,7 @@ class RawWorker:
     async def stop(self) -> None:
         """Stop listening and close the open connections (the router's pooled ones too)."""
         assert self.server is not None
+        self.stopped = True
         self.server.close()
         for w in list(self._open):
             w.close()
