@@ -14,6 +14,7 @@ import zmq
 import zmq.asyncio
 
 from indexer.index import PrefixIndex
+from indexer.subscriber import Subscriber
 from indexer.wire import encode_message
 from tests.unit.indexer.conftest import caught_up, endpoint, started, stream, sync_live
 from tests.unit.indexer.kv_publisher import (
@@ -124,20 +125,34 @@ async def test_dead_replay_endpoint_times_out_without_stalling_others(
         await sub.aclose()
 
 
+async def joining(
+    ctx: zmq.asyncio.Context, pubs: list[EventPublisher], seed: int, sent: int, delay: float
+) -> tuple[RecordingIndex, Subscriber, EventPublisher, StreamGen]:
+    """A subscriber joining worker ``w0``, whose publisher sent ``sent`` batches to nobody and
+    answers the join replay ``delay`` seconds after it is asked, which it has been on return."""
+    index = RecordingIndex()
+    sub = await started(index, ctx)
+    try:
+        pub = EventPublisher(ctx)
+        pubs.append(pub)
+        gen = StreamGen(seed)
+        await stream(pub, gen, sent)  # nobody is listening yet
+        pub.reply_delay = delay
+        await sub.add_worker(endpoint("w0", pub))
+        await wait_for(lambda: bool(pub.replay_requests), what="join replay request")
+    except BaseException:
+        await sub.aclose()
+        raise
+    return index, sub, pub, gen
+
+
 async def test_join_replays_from_zero_without_applying_twice(
     ctx: zmq.asyncio.Context, pubs: list[EventPublisher]
 ) -> None:
-    index = RecordingIndex()
-    sub = await started(index, ctx)
-    pub = EventPublisher(ctx)
-    pubs.append(pub)
+    # live batches arrive while the join replay is under way
+    index, sub, pub, gen = await joining(ctx, pubs, 30, 300, 0.5)
     key = ("w0", 0)
     try:
-        gen = StreamGen(30)
-        await stream(pub, gen, 300)  # nobody is listening yet
-        pub.reply_delay = 0.5  # live batches arrive while the join replay is under way
-        await sub.add_worker(endpoint("w0", pub))
-        await wait_for(lambda: bool(pub.replay_requests), what="join replay request")
         while not sub.worker_ready("w0"):
             pub.publish(gen.events())
             await asyncio.sleep(0.005)
@@ -159,17 +174,9 @@ async def test_live_copies_read_after_the_join_replay_are_not_applied_again(
     # The join replay brings seqs whose live copies are still queued on the SUB (not drained
     # yet, or held for a read window): read after the replay ended, above the last live seq,
     # they are the same batches, not a new publisher process.
-    index = RecordingIndex()
-    sub = await started(index, ctx)
-    pub = EventPublisher(ctx)
-    pubs.append(pub)
+    index, sub, pub, gen = await joining(ctx, pubs, 31, 50, 0.3)
     key = ("w0", 0)
     try:
-        gen = StreamGen(31)
-        await stream(pub, gen, 50)  # nobody is listening yet
-        pub.reply_delay = 0.3
-        await sub.add_worker(endpoint("w0", pub))
-        await wait_for(lambda: bool(pub.replay_requests), what="join replay request")
         late = [pub.publish(gen.events(), drop=True) for _ in range(5)]  # replayed, not sent
         await wait_for(lambda: sub.worker_ready("w0"), what="join replay done")
         assert sub.stats()[key].last_seq == late[-1]
