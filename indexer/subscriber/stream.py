@@ -116,7 +116,7 @@ class StreamRules:
             if r.replay is not None:  # a gap inside the buffer started another replay
                 r.replay.buffer.extend(items[i:])
                 return
-            self._ordered(r, batch, covered)
+            self._ordered(r, batch)
         r.fast = r.replay is None and r.stats.trusted
 
     def _on_live(self, r: WorkerRank, batch: EventBatch) -> None:
@@ -126,15 +126,16 @@ class StreamRules:
         r.live_last = batch.seq
         rp = r.replay
         if rp is None:
-            self._ordered(r, batch, None)
+            self._ordered(r, batch)
         elif len(rp.buffer) < self._max_buffered:
             rp.buffer.append(batch)
         else:
             rp.buffer.append(batch)
             self._replays.finish(r, "live buffer overflow while replaying")
 
-    def _ordered(self, r: WorkerRank, batch: EventBatch, covered: tuple[int, int] | None) -> None:
-        """Apply one live batch in sequence order (no replay running for ``r``)."""
+    def _ordered(self, r: WorkerRank, batch: EventBatch) -> None:
+        """Apply one live batch in sequence order (no replay running for ``r``); one that
+        ``r.covered`` (its last replay) already brought is skipped."""
         s, last, st = batch.seq, r.last, r.stats
         if s == last + 1 or last == UNANCHORED:
             r.last = s
@@ -150,7 +151,7 @@ class StreamRules:
                 self._writer.drop(r, f"gap {last + 1}..{s - 1} and no replay endpoint")
                 r.last = s
                 self._writer.apply(r, batch)
-        elif (covered := covered or r.covered) is not None and covered[0] <= s <= covered[1]:
+        elif (covered := r.covered) is not None and covered[0] <= s <= covered[1]:
             st.skipped += 1  # a live copy of what the replay applied (buffered, or read late)
             return
         else:
@@ -167,7 +168,7 @@ class StreamRules:
         st.trusted = True
         r.last, r.live_last, r.trust_after, r.last_ts = -1, batch.seq, -1, None
         log.info("worker %s rank %d restarted (seq %d)", r.worker_id, r.rank, batch.seq)
-        self._ordered(r, batch, None)
+        self._ordered(r, batch)
 
     def _on_connected(self, r: WorkerRank) -> None:
         r.stats.connected = True
