@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from router_fakeworker import wait_for
 
+from indexer.index import PrefixIndex
+
 
 async def test_restart_restores_the_index_and_replays_only_what_is_new(
     workers, router, http, tmp_path
@@ -40,8 +42,6 @@ async def test_unusable_snapshot_starts_empty(workers, router, http, tmp_path):
 async def test_periodic_snapshots_are_written_while_the_router_serves(
     workers, router, http, tmp_path, caplog
 ):
-    from indexer.index import PrefixIndex
-
     path = tmp_path / "index.snap"
     a = await workers("a")
     tokens = list(range(64))
