@@ -9,9 +9,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
 
-from pressure_headroom import opt_hit, priority_hit, s3fifo_hit  # noqa: E402
+from pressure_headroom import opt_hit, priority_hit, s3fifo_hit
 
-from kvrouter.replay.trace import TraceRequest, ideal_hit, pooled_lru_hit  # noqa: E402
+from kvrouter.replay.trace import TraceRequest, ideal_hit, pooled_lru_hit
 
 B = 4  # tokens per trace block
 
