@@ -26,6 +26,7 @@ from indexer.index.apply import Applier
 from indexer.index.evict import Evictor
 from indexer.index.match import Matcher
 from indexer.index.snapshot import (
+    SnapshotBuilder,
     decode_snapshot,
     encode_snapshot,
     read_snapshot,
@@ -215,6 +216,10 @@ class PrefixIndex:
     def snapshot_bytes(self, seqs: Mapping[WorkerKey, int]) -> bytes:
         """What ``snapshot`` writes, as bytes (a peer router's warm start)."""
         return encode_snapshot(self._state, seqs)
+
+    def snapshot_builder(self) -> SnapshotBuilder:
+        """``snapshot_bytes`` a rank at a time, for a caller that yields between ranks."""
+        return SnapshotBuilder(self._state)
 
     @staticmethod
     def save_snapshot_bytes(path: str | os.PathLike[str], data: bytes) -> None:

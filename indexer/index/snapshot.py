@@ -9,7 +9,8 @@ function or block size is refused: its router hashes would not match new request
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from functools import partial
 
 import msgspec
 
@@ -20,6 +21,7 @@ from indexer.index.state import IndexState
 from indexer.index.types import MAX_TIERS, SnapshotError, WorkerKey
 
 __all__ = [
+    "SnapshotBuilder",
     "decode_snapshot",
     "encode_snapshot",
     "read_snapshot",
@@ -89,10 +91,37 @@ def save_snapshot(path: str | os.PathLike[str], data: bytes) -> None:
 def encode_snapshot(index: IndexState, seqs: Mapping[WorkerKey, int]) -> bytes:
     """``index`` and each worker rank's resume point, as the snapshot file holds them (a peer
     router's warm start fetches the same bytes over HTTP)."""
-    seq_map = dict(seqs)
-    workers = []
-    for key, w in index.items():
-        point = seq_map.get(key)
+    builder = SnapshotBuilder(index)
+    for key in builder.ranks():
+        builder.add(key, seqs.get(key))
+    return builder.finish()()
+
+
+class SnapshotBuilder:
+    """One snapshot taken a rank at a time, so that a caller on the event loop can yield between
+    ranks instead of stalling for the whole index (about 110 ms at 1 M entries).
+
+    ``add`` copies one rank's tables with the resume point the caller read in the same step:
+    each rank's part is consistent with its own seq, which is all a restore needs (a rank
+    resumes from its own seq; the global tables are rebuilt on load). A rank removed meanwhile
+    is left out, one added meanwhile waits for the next snapshot. ``finish`` reads the tier
+    names (they only grow, so every part's tier bits have a name) and returns the encoding,
+    which reads nothing of the index and may run in a thread."""
+
+    def __init__(self, index: IndexState) -> None:
+        self._index = index
+        self._parts: list[_WorkerSnap] = []
+
+    def ranks(self) -> list[WorkerKey]:
+        return [key for key, _ in self._index.items()]
+
+    def add(self, key: WorkerKey, point: int | None) -> None:
+        w = self._index.by_key.get(key)
+        if w is None:
+            return
+        emask = w.emask
+        # (every block on the GPU tier alone, the usual case: no lookup per entry)
+        tiers = [emask.get(e, 1) for e in w.table] if emask else [1] * len(w.table)
         ws = _WorkerSnap(
             worker_id=key[0],
             dp_rank=key[1],
@@ -101,7 +130,7 @@ def encode_snapshot(index: IndexState, seqs: Mapping[WorkerKey, int]) -> bytes:
             ts=getattr(point, "ts", None),
             engine_hashes=list(w.table),
             router_hashes=list(w.table.values()),
-            tiers=[w.emask.get(e, 1) for e in w.table],
+            tiers=tiers,
             dups=[(e, t, n) for e, d in w.dups.items() for t, n in d.items()],
             page=w.page,
             partial_groups=sorted(w.partial_groups),
@@ -113,9 +142,26 @@ def encode_snapshot(index: IndexState, seqs: Mapping[WorkerKey, int]) -> bytes:
                 for e, b in rc.blocks.items()
             ]
             ws.cover = [(h, list(c)) for h, c in rc.cover.items()]
-        workers.append(ws)
-    snap = _Snapshot(FORMAT, HASH_VERSION, index.block_size, list(index.tier_names), workers)
-    return _encoder.encode(snap)
+        self._parts.append(ws)
+
+    def finish(self) -> Callable[[], bytes]:
+        head = (FORMAT, HASH_VERSION, self._index.block_size, list(self._index.tier_names))
+        return partial(_encode_parts, head, self._parts)
+
+
+class _SnapshotOut(msgspec.Struct):  # _Snapshot with each rank encoded on its own
+    format: str
+    hash_version: int
+    block_size: int
+    tiers: list[str]
+    workers: list[msgspec.Raw]
+
+
+def _encode_parts(head: tuple[str, int, int, list[str]], parts: list[_WorkerSnap]) -> bytes:
+    # one encode call per rank: a thread running this gives the loop the GIL back between
+    # ranks, not only after the whole file (the same bytes as encoding _Snapshot at once)
+    workers = [msgspec.Raw(_encoder.encode(p)) for p in parts]
+    return _encoder.encode(_SnapshotOut(*head, workers))
 
 
 def read_snapshot(path: str | os.PathLike[str]) -> tuple[IndexState, dict[WorkerKey, int]]:

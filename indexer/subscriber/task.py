@@ -141,7 +141,14 @@ class Subscriber:
 
     def resume_points(self) -> dict[WorkerKey, ResumePoint]:
         """Per worker rank: the last applied seq and its batch's ts, what a snapshot records."""
-        return {r.key: ResumePoint(r.last, r.last_ts) for r in self._ranks() if r.last >= 0}
+        return {r.key: p for r in self._ranks() if (p := _resume_point(r)) is not None}
+
+    def resume_point(self, key: WorkerKey) -> ResumePoint | None:
+        """One worker rank's entry of ``resume_points``: read in the same step as its index
+        tables, they agree (this task applies a batch and advances the seq in one step)."""
+        entry = self._workers.get(key[0])
+        rank = next((r for r in entry[1] if r.key == key), None) if entry is not None else None
+        return None if rank is None else _resume_point(rank)
 
     def workers(self) -> dict[str, WorkerEndpoint]:
         return {wid: ep for wid, (ep, _) in self._workers.items()}
@@ -327,3 +334,7 @@ class Subscriber:
             if fut is not None and not fut.done():
                 fut.set_exception(SubscriberError("subscriber is closed"))
         self._commands.clear()
+
+
+def _resume_point(rank: WorkerRank) -> ResumePoint | None:
+    return ResumePoint(rank.last, rank.last_ts) if rank.last >= 0 else None

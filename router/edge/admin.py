@@ -183,10 +183,10 @@ async def metrics(request: Request) -> Response:
 async def snapshot(request: Request) -> Response:
     """The index and each worker rank's last applied seq (``indexer.index.snapshot``'s format),
     for a peer replica's warm start (router.runtime.replicas.warm). Admin-keyed: it lists every
-    worker's cache. Built on the loop, like every index read (its size is the index's, which
-    its caps bound)."""
+    worker's cache. Read on the loop, like every index read (its size is the index's, which
+    its caps bound), a rank at a time (``Runtime.snapshot_bytes``)."""
     state = _state(request)
     _require_admin(state, request)
-    data = state.index.snapshot_bytes(state.subscriber.resume_points())
+    data = await state.snapshot_bytes()
     headers = {"x-kvrouter-block-size": str(state.index.block_size)}
     return Response(data, media_type=SNAPSHOT_TYPE, headers=headers)

@@ -239,6 +239,30 @@ def test_snapshot_restore_answers_like_original(tmp_path: Path) -> None:
     assert restored.match(h) == idx.match(h)
 
 
+def test_a_snapshot_taken_a_rank_at_a_time_keeps_each_rank_with_its_own_seq() -> None:
+    idx = PrefixIndex(4)
+    t = tokens(12)
+    for key in (A, B, ("gone", 0)):
+        idx.apply_event(key, BlockStored([1], None, t[:4], 4))
+    builder = idx.snapshot_builder()
+    assert builder.ranks() == [A, B, ("gone", 0)]
+    builder.add(A, 3)
+    # between two ranks the index moves on: A's later store is not in the file (its seq 3 is
+    # from before it: a resume replays it), B's is, with the seq read beside it
+    idx.apply_event(A, BlockStored([2], 1, t[4:8], 4))
+    idx.apply_event(B, BlockStored([2], 1, t[4:8], 4))
+    idx.add_worker("late")  # came after the ranks were listed: the next snapshot has it
+    idx.remove_worker("gone")  # went before its turn: left out
+    builder.add(B, 4)
+    builder.add(("gone", 0), 9)
+    restored, seqs = PrefixIndex.from_snapshot_bytes(builder.finish()())
+    assert seqs == {A: 3, B: 4}
+    assert restored.workers() == [A, B]
+    h = idx.request_hashes(t[:8])
+    assert restored.match(h).workers[A].matched_blocks == 1
+    assert restored.match(h).workers[B].matched_blocks == 2
+
+
 def test_snapshot_rejects_garbage(tmp_path: Path) -> None:
     p = tmp_path / "bad"
     p.write_bytes(b"\x93not a snapshot")
