@@ -195,6 +195,10 @@ class PrefixIndex:
         """Tiers outside the canonical ones that were seen (scored like EXTERNAL), counted."""
         return self._state.unknown_tiers
 
+    def holds(self, key: WorkerKey, h: int) -> bool:
+        """Whether rank ``key`` holds router block ``h`` (any tier); False for an unknown rank."""
+        return self._state.holds(key, h)
+
     def block_tiers(self, key: WorkerKey, hashes: Sequence[int]) -> list[frozenset[str]]:
         """Tiers holding each leading block of ``hashes`` on one worker, up to the first gap."""
         return self._state.block_tiers(key, hashes)

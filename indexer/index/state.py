@@ -286,6 +286,11 @@ class IndexState:
         w.rechunk = None
         w.tier_counts = [0] * MAX_TIERS
 
+    def holds(self, key: WorkerKey, h: int) -> bool:
+        """Whether rank ``key`` holds router block ``h`` on any tier."""
+        w = self.by_key.get(key)
+        return w is not None and bool(self.present.get(h, 0) & w.bit)
+
     def worker_mask(self, w: RankRecord, h: int) -> int:
         """Tier mask of router block ``h`` on worker ``w`` as the global tables hold it."""
         bit = w.bit

@@ -86,6 +86,8 @@ class StreamRules:
                 except Exception as exc:
                     self._writer.apply_failed(r, batch, exc)
         st.messages += applied
+        if applied:
+            self._writer.applied(r)
         if msgs:
             now = self._clock()
             st.last_message_at = now

@@ -61,6 +61,9 @@ class Subscriber:
         # seconds: a busy fleet's messages are read once per window, not each on a wake-up of
         # its own (``indexer.subscriber.sockets``); 0 reads every message as it comes
         batch_window: float = 0.0,
+        # called with a rank's key after each batch applied to it (live or replayed), on this
+        # task: what was stored there is now in the index (the router ends prefills with it)
+        on_applied: Callable[[WorkerKey], None] | None = None,
     ) -> None:
         self._index = index
         self._own_ctx = context is None
@@ -72,7 +75,7 @@ class Subscriber:
             max_message_bytes=max_message_bytes,
             batch_window=batch_window,
         )
-        writer = IndexWriter(index)
+        writer = IndexWriter(index, on_applied)
         self._replays = Replays(
             writer, self._sockets, clock=clock, timeout=replay_timeout, then=self._after_replay
         )

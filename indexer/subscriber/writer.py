@@ -12,9 +12,11 @@ restart clears the entries too but leaves the rank trusted: its cache really is 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from indexer.events import EventBatch
+from indexer.index.types import WorkerKey
 from indexer.subscriber.records import WorkerRank, log, log_limited
 
 if TYPE_CHECKING:
@@ -26,8 +28,11 @@ __all__ = ["IndexWriter"]
 class IndexWriter:
     """The subscriber's writes to ``index``, per worker rank, with their counters."""
 
-    def __init__(self, index: PrefixIndex) -> None:
+    def __init__(
+        self, index: PrefixIndex, on_applied: Callable[[WorkerKey], None] | None = None
+    ) -> None:
         self.index = index
+        self.on_applied = on_applied
 
     def apply(self, r: WorkerRank, batch: EventBatch) -> None:
         """Apply ``batch`` (already accepted by the sequence rules; ``r.last`` is its seq)."""
@@ -37,9 +42,20 @@ class IndexWriter:
             self.index.apply_batch(r.worker_id, batch, dp_rank=r.rank)
         except Exception as exc:
             self.apply_failed(r, batch, exc)
+        else:
+            self.applied(r)
         st.messages += 1
         if batch.unknown_events:
             st.unknown_events += batch.unknown_events
+
+    def applied(self, r: WorkerRank) -> None:
+        """Tell ``on_applied`` that batches were applied to ``r`` (once per drain on the hot
+        path, which applies without this writer)."""
+        if self.on_applied is not None:
+            try:
+                self.on_applied(r.key)
+            except Exception as exc:  # (a bug of the listener's: the stream goes on)
+                log_limited(r, logging.WARNING, "on_applied failed: %r", exc)
 
     def apply_failed(self, r: WorkerRank, batch: EventBatch, exc: Exception) -> None:
         """The index raised on ``batch`` (a bug): counted and skipped, the stream goes on."""

@@ -9,6 +9,11 @@ Every policy answers ``place(request, tokens, now) -> (worker, handle)`` and hea
 * ``kvrouter``: the router itself — its placement core, :class:`router.placement.Placer`, on the
   simulated clock, over an index fed by the workers' events, ``place`` + ``fly`` as the proxy
   calls them, the flight's first byte at the first token and its end at the last, as the proxy.
+  The index hears each step's events, and the placer with it (``Placer.blocks_stored``).
+* ``kvrouter-early-head``: the same placement as the endpoint picker makes it with the answer's
+  body kept off it (``kvrouter.gateway``'s head-only mode) in front of engines that send their
+  answer's head at once, as vLLM and SGLang do: the head comes at admission and no first token
+  is seen, so each request's prefill ends with the events that show its prompt stored.
 * ``cache_aware``: sglang-router 0.3.2's ``--policy cache_aware`` with its defaults, emulated so
   the peer's rule runs in virtual time too: a tree of what was *routed* to each worker (no KV
   event), requests outstanding as load; when ``max − min > 64`` and ``max > 1.5·min`` the least
@@ -49,6 +54,7 @@ VIRTUAL_POLICIES = (
     "round_robin",
     "least_load",
     "kvrouter",
+    "kvrouter-early-head",
     "cache_aware",
     "smg",
     "smg_dark",
@@ -128,6 +134,8 @@ class LeastLoadPolicy(RoundRobinPolicy):
 
 class KvrouterPolicy(Policy):
     name = "kvrouter"
+    kind = "proxy"  # the flight's kind: the proxy's
+    early_head = False  # the first byte at the first token
 
     def __init__(
         self, engines: Sequence[LLMEngine], settings: Settings, clock: Callable[[], float]
@@ -159,11 +167,14 @@ class KvrouterPolicy(Policy):
     def choose(self, tokens: Sequence[int], now: float) -> tuple[int, Any]:
         d = self.placer.place(tokens)
         best = d.order[0]
-        flight = self.placer.fly(d, best, "proxy", endpoint="completions")
+        flight = self.placer.fly(d, best, self.kind, endpoint="completions")
+        if self.early_head:
+            flight.head()
         return self._slot[d.candidates[best].key], flight
 
     def first_token(self, handle: Any, now: float) -> None:
-        handle[1].first_byte()
+        if not self.early_head:
+            handle[1].first_byte()
 
     def finish(self, handle: Any, now: float) -> None:
         super().finish(handle, now)
@@ -173,6 +184,15 @@ class KvrouterPolicy(Policy):
         key, apply = self.keys[worker], self.index.apply_event
         for ev in events:
             apply(key, ev)
+        self.placer.blocks_stored(key)
+
+
+class KvrouterEarlyHeadPolicy(KvrouterPolicy):
+    """``kvrouter-early-head`` (see the module docstring)."""
+
+    name = "kvrouter-early-head"
+    kind = "epp"
+    early_head = True
 
 
 class CacheAwarePolicy(Policy):
@@ -269,6 +289,8 @@ def make_policy(
 
             return ReplicatedKvrouterPolicy(engines, settings, clock, replicas, seed)
         return KvrouterPolicy(engines, settings, clock)
+    if name == "kvrouter-early-head":
+        return KvrouterEarlyHeadPolicy(engines, settings, clock)
     if name == "cache_aware":
         return CacheAwarePolicy(engines)
     if name in ("smg", "smg_dark"):

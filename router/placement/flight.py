@@ -7,7 +7,8 @@ placement and hands back its flight. Its users:
   first upstream body byte, ``done(status)`` when the answer ends, fails or the client leaves;
 - the Envoy endpoint picker (``kind="epp"``): Envoy forwards the request to the worker picked for
   it and streams the answer through the picker, so its flight is a proxied one too (the same
-  in-flight, TTFB and proxied metrics), ended with the answer or the ext_proc stream;
+  in-flight, TTFB and proxied metrics), ended with the answer or the ext_proc stream; with the
+  answer's body kept off the picker it sees only the head (``head``);
 - ``/route`` with ``account: true`` (``kind="route_account"``): the caller forwards the request
   itself, so the flight waits in :class:`RouteAccounts` until ``POST /route/{id}/release``, its
   TTL, eviction by a newer one past ``route.max_accounted``, or its worker's removal;
@@ -15,6 +16,12 @@ placement and hands back its flight. Its users:
 
 A flight closes exactly once: a second ``done`` does nothing, so no ticket is finished twice and
 no metric counts one request twice. Nothing else touches a load ticket.
+
+The prefill is over at the first answer byte, or as soon as the worker's KV events show the
+request's last prompt block stored there (:meth:`router.placement.placer.Placer.blocks_stored`),
+whichever comes first. The events are what ends it where the router sees no answer byte: an
+accounted ``/route``, and the picker seeing only the head, which vLLM and SGLang send before
+the prefill has even begun.
 """
 
 from __future__ import annotations
@@ -65,6 +72,7 @@ class Flight:
     :meth:`router.placement.placer.Placer.fly`; ``t0`` and ``timer`` time the first byte."""
 
     __slots__ = (
+        "awaiting",
         "cached",
         "endpoint",
         "kind",
@@ -76,6 +84,7 @@ class Flight:
         "t0",
         "ticket",
         "timer",
+        "ttfb_seen",
         "usage_tail",
         "worker",
     )
@@ -107,15 +116,35 @@ class Flight:
         self.timer = timer
         self.usage_tail = b""
         self.cached: int | None = None
+        self.ttfb_seen = False
+        #: the placer's flights awaiting their prefill's events on this rank, this one among
+        #: them (``Placer.fly``); it leaves when its prefill is over
+        self.awaiting: dict[int, Flight] | None = None
         if kind in PROXIED_KINDS:
             metrics.flight_started(self.worker)
 
     def first_byte(self) -> None:
         """The worker's first answer byte: the request's prefill is over (idempotent)."""
+        self.head()
+        self.prefill_over()
+
+    def head(self) -> None:
+        """The answer's head, timed as the first byte (TTFB), when no body byte will be seen.
+        It says nothing of a prefill that has blocks to build (vLLM and SGLang send it at
+        once): that one ends with the events showing them stored, or with the flight. One
+        with none to build ends here (idempotent)."""
+        if not self.ttfb_seen and self.ticket.state is not TicketState.DONE:
+            self.ttfb_seen = True
+            self.metrics.first_byte(self.worker, self.timer() - self.t0)
+        if self.awaiting is None:
+            self.prefill_over()
+
+    def prefill_over(self) -> None:
+        """The request's prefill is over: its blocks count as decoding from now (idempotent)."""
+        self._stop_awaiting()
         if self.ticket.state is TicketState.PREFILL:
             self.ledger.first_token(self.ticket)
             self.listener.first_token(self.ticket)
-            self.metrics.first_byte(self.worker, self.timer() - self.t0)
 
     def scan(self, chunk: bytes) -> None:
         """Find the usage chunk of an SSE stream (lines may straddle network chunks)."""
@@ -132,12 +161,18 @@ class Flight:
                 if v is not None:
                     self.cached = v
 
+    def _stop_awaiting(self) -> None:
+        if self.awaiting is not None:
+            self.awaiting.pop(self.ticket.id, None)
+            self.awaiting = None
+
     def done(self, status: str) -> None:
         """The end: an HTTP status or ``client_disconnect`` / ``upstream_error`` for the proxy
         (``client_disconnect`` / ``protocol_error`` for the EPP's stream),
         ``released`` / ``expired`` / ``evicted`` / ``worker_removed`` for an accounted route."""
         if self.ticket.state is TicketState.DONE:
             return
+        self._stop_awaiting()
         self.ledger.finish(self.ticket)
         self.listener.ended(self.ticket)
         m = self.metrics

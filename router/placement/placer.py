@@ -120,6 +120,8 @@ class Placer:
         self.temperature = sc.temperature
         self.rng = rng if rng is not None else random.Random(sc.seed)
         self.load = LoadLedger()
+        #: per rank, the flights whose prefill has not been seen to end, by ticket id
+        self._awaiting: dict[WorkerKey, dict[int, Flight]] = {}
         self.predicted = PredictedBlocks(
             sc.predicted_ttl_s, max_blocks=sc.predicted_max_blocks, clock=clock
         )
@@ -282,7 +284,7 @@ class Placer:
         # prompt of exactly k blocks reuses at most k - 1 of them
         bs = d.block_size
         predicted_tokens = min(c.matched_blocks, max(0, d.tokens - 1) // bs) * bs
-        return Flight(
+        f = Flight(
             self.load,
             self.metrics,
             ticket,
@@ -293,6 +295,31 @@ class Placer:
             t0=t0,
             timer=self.timer,
             listener=self.listener,
+        )
+        # its prefill is over once the rank holds what it builds (``_built``); if it already
+        # does, there is nothing to see stored (a block predicted there is not held yet: a
+        # request with the same prompt may be building it)
+        if ticket.hashes and not self._built(ticket):
+            f.awaiting = self._awaiting.setdefault(ticket.key, {})
+            f.awaiting[ticket.id] = f
+        return f
+
+    def blocks_stored(self, key: WorkerKey) -> None:
+        """Rank ``key``'s events were applied: a flight whose last block the rank now holds has
+        finished its prefill there, whether or not its first byte was seen (the subscriber
+        calls this after each batch it applies; the replay after each step's events). So must
+        the first block it had to build: past a hole in what the rank held, the last block may
+        have been there all along."""
+        awaiting = self._awaiting.get(key)
+        if awaiting:
+            for f in [f for f in awaiting.values() if self._built(f.ticket)]:
+                f.prefill_over()
+
+    def _built(self, t: Ticket) -> bool:
+        """The rank holds ``t``'s last block and the first it had to build."""
+        holds, key = self.index.holds, t.key
+        return holds(key, t.hashes[-1]) and (
+            not t.prefill_hashes or holds(key, t.prefill_hashes[0])
         )
 
     def drop_worker(self, worker_id: str, keys: Sequence[WorkerKey]) -> None:
@@ -305,6 +332,8 @@ class Placer:
         self.accounts.drop_worker(worker_id)
         self.remote.drop_worker(worker_id)
         self.load.drop_worker(worker_id)
+        for key in keys:  # (their flights end as their streams do)
+            self._awaiting.pop(key, None)
 
     def housekeeping(self) -> None:
         """Periodic: expire accounted routes and predictions, report what is left."""

@@ -117,6 +117,7 @@ class Runtime:
             replay_timeout=settings.subscriber.replay_timeout_s,
             max_message_bytes=settings.subscriber.max_message_bytes,
             batch_window=settings.subscriber.batch_window_ms / 1000,
+            on_applied=self._blocks_stored,
         )
         if seqs:  # resume each worker rank after its snapshotted seq (replay closes the gap)
             self.subscriber.restore_seqs(seqs)
@@ -255,6 +256,9 @@ class Runtime:
                 out.append(WorkerSample(key[0], key[1], st.healthy, stats.get(key), ix))
                 out[-1].stale = stale
         return out
+
+    def _blocks_stored(self, key: WorkerKey) -> None:
+        self.placer.blocks_stored(key)
 
     async def snapshot_bytes(self) -> bytes:
         """The index and each rank's last applied seq (``PrefixIndex.snapshot_bytes``'s bytes),

@@ -314,12 +314,14 @@ class EppStream:
                     if self.status == 200 and not self.sse:
                         self.whole = bytearray()
                 elif not m.response_headers.end_of_stream:
-                    # no body will come: the head stands for the first byte, and the stream's
+                    # no body will come: the head is timed as the first byte, and the stream's
                     # end, a close or a reset (Envoy does either, maybe before our answer to
-                    # the head is written), for the answer's: set before that answer goes.
-                    # (A client leaving mid-answer looks the same to the picker.)
+                    # the head is written), stands for the answer's: set before that answer
+                    # goes. (A client leaving mid-answer looks the same to the picker.) The
+                    # prefill ends with the worker's events: vLLM and SGLang send the head
+                    # before it has begun (Flight.head)
                     self.ttfb = time.perf_counter() - self.t0
-                    flight.first_byte()
+                    flight.head()
                     self.ending = str(self.status)
                 await self.write(headers_reply(request=False, set_headers=self.answer_headers))
                 if m.response_headers.end_of_stream:

@@ -322,6 +322,38 @@ async def test_index_errors_are_counted_not_fatal(
         await sub.aclose()
 
 
+async def test_on_applied_hears_each_rank_after_its_batches_and_may_fail(
+    ctx: zmq.asyncio.Context, pubs: list[EventPublisher]
+) -> None:
+    index = RecordingIndex()
+    heard: dict[tuple[str, int], int] = {}  # rank -> last seq applied when it was told
+
+    def on_applied(key: tuple[str, int]) -> None:
+        heard[key] = index.applied[key][-1]
+        if key[0] == "bad":
+            raise RuntimeError("a listener's bug")
+
+    sub = await started(index, ctx, on_applied=on_applied)  # type: ignore[arg-type]
+    good, bad = EventPublisher(ctx), EventPublisher(ctx)
+    pubs += [good, bad]
+    try:
+        await sub.add_worker(endpoint("good", good))
+        await sub.add_worker(endpoint("bad", bad))
+        await wait_for(sub.ready)
+        gen = StreamGen(7)
+        for _ in range(30):
+            good.publish(gen.events())
+            bad.publish(gen.events())
+        await caught_up(sub, ("good", 0), good)
+        await caught_up(sub, ("bad", 0), bad)
+        # told after the last batch was in the index; the listener's failure lost nothing
+        assert heard == {("good", 0): good.seq - 1, ("bad", 0): bad.seq - 1}
+        assert index.applied[("bad", 0)] == list(range(bad.seq))
+        assert sub.stats()[("bad", 0)].apply_errors == 0
+    finally:
+        await sub.aclose()
+
+
 async def test_registration_errors(ctx: zmq.asyncio.Context, pubs: list[EventPublisher]) -> None:
     sub = await started(PrefixIndex(), ctx)
     pub = EventPublisher(ctx)

@@ -207,8 +207,10 @@ async def test_a_reset_mid_response_ends_the_flight_once(workers, epp, http):
 async def test_with_the_answer_s_body_off_its_head_is_the_first_byte_its_close_the_end(
     workers, epp, http
 ):
-    """response_body_mode NONE: no response chunk comes; the head moves the flight past
-    prefill, and Envoy closing its side after the head ends it with the head's status."""
+    """response_body_mode NONE: no response chunk comes. The head is timed as the first byte,
+    but the prefill ends only when the worker's events show the prompt stored (vLLM and SGLang
+    send the head at once); Envoy closing its side after the head ends the flight with the
+    head's status."""
     a = await workers("a")
     r, envoy = await epp([a])
     call = envoy.open()
@@ -216,7 +218,9 @@ async def test_with_the_answer_s_body_off_its_head_is_the_first_byte_its_close_t
     modes = ProtocolConfiguration(request_body_mode=4, response_body_mode=0)  # FULL_DUPLEX, NONE
     m.protocol_config.CopyFrom(modes)
     await call.write(m)
-    await call.write(body_request(completion("head only"), True))
+    prompt = "head only, with four blocks of prompt to build at the worker:" + "." * 3
+    assert len(prompt) == 64  # (the byte tokenizer: a token a byte, 16 a block)
+    await call.write(body_request(completion(prompt), True))
     pick = await call.read()
     assert pick.HasField("request_headers")
     await call.read()  # the body's echo
@@ -224,8 +228,11 @@ async def test_with_the_answer_s_body_off_its_head_is_the_first_byte_its_close_t
     head = [(":status", "200"), ("content-type", "application/json")]
     await call.write(headers_request(head, response=True))
     await call.read()
-    ticket = r.state.placer.load.get(("a", 0))
-    assert ticket is not None and ticket.inflight_prefill == 0  # past prefill at the head
+    load = r.state.placer.load.get(("a", 0))
+    assert load is not None and load.inflight_prefill == 4  # the head says nothing of it
+    a.store(list(prompt.encode()))  # the worker's events: the prompt is built
+    await wait_for(lambda: load.inflight_prefill == 0, 10, "the prefill ended by the events")
+    assert r.state.placer.load.inflight("a") == 1
     await call.done_writing()  # Envoy closes its side at the answer's end
     await wait_for(lambda: r.state.inflight == 0, 10, "the flight ended")
     text = (await http.get(r.url + "/metrics")).text

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from indexer.events import BlockRemoved, BlockStored
 from indexer.index import PrefixIndex
 from router.fleet.registry import Registry
 from router.observe.metrics import RouterMetrics
@@ -92,6 +93,78 @@ def test_route_accounts_end_every_way_once(state) -> None:
         assert metric(state, f'kvrouter_route_accounts_ended_total{{reason="{reason}"}} {n}.0')
     # an accounted route is not a proxied request
     assert not metric(state, "kvrouter_proxied_requests_total{")
+
+
+A = ("a", 0)
+TOKENS = list(range(64))  # 4 blocks of 16
+
+
+def store(st: Placed, blocks: range, key: tuple[str, int] = A) -> None:
+    """The worker's event for blocks ``blocks`` of TOKENS (engine hashes 1 + block number)."""
+    first = blocks[0]
+    parent = first if first else None  # (block k's engine hash is k + 1)
+    st.placer.index.apply_event(
+        key,
+        BlockStored([b + 1 for b in blocks], parent, TOKENS[16 * first : 16 * blocks[-1] + 16], 16),
+    )
+    st.placer.blocks_stored(key)
+
+
+def prefill(st: Placed) -> float:
+    return st.load.get(A).inflight_prefill
+
+
+def test_an_answers_head_leaves_the_prefill_to_the_events_that_show_it_built(state) -> None:
+    # vLLM and SGLang send the head before the prefill begins: only the events end it
+    f = flight(state, "epp")
+    f.head()
+    assert prefill(state) == 4 and metric(state, "first_byte_seconds_count")
+    store(state, range(0, 2))  # half of it: still building
+    assert prefill(state) == 4
+    store(state, range(2, 4))
+    assert prefill(state) == 0 and state.load.get(A).prefilling == {}
+    assert state.placer._awaiting[A] == {}
+    f.done("200")
+    assert state.load.get(A) is None
+
+
+def test_a_first_byte_or_an_end_stops_the_wait_for_events(state) -> None:
+    f, g = flight(state, "proxy"), flight(state, "route_account")
+    # (g's blocks are f's, predicted there: nothing of its own to build, but it waits for them)
+    assert not g.ticket.prefill_hashes and len(state.placer._awaiting[A]) == 2
+    f.first_byte()
+    g.done("released")
+    assert state.placer._awaiting[A] == {}  # nothing kept for a worker whose events never come
+    f.done("200")
+
+
+def test_an_accounted_route_ends_its_prefill_with_the_events(state) -> None:
+    f = flight(state, "route_account")  # its caller sends the request: no byte is seen
+    store(state, range(0, 4))
+    assert prefill(state) == 0 and state.load.inflight("a") == 1
+    f.done("released")
+
+
+def test_a_block_past_a_hole_does_not_end_the_prefill(state) -> None:
+    store(state, range(0, 4))
+    state.placer.index.apply_event(A, BlockRemoved([2]))  # block 1 gone, 2 and 3 kept
+    f = flight(state, "epp")
+    f.head()
+    assert f.ticket.prefill_hashes and prefill(state) > 0
+    state.placer.blocks_stored(A)  # the last block is held, the first to build is not
+    assert prefill(state) > 0
+    store(state, range(1, 2))
+    assert prefill(state) == 0
+    f.done("200")
+
+
+def test_a_request_with_nothing_to_build_ends_its_prefill_at_the_head(state) -> None:
+    store(state, range(0, 4))
+    f = flight(state, "epp")
+    assert not f.ticket.prefill_hashes and not state.placer._awaiting.get(A)
+    f.head()
+    assert prefill(state) == 0
+    f.done("200")
 
 
 def test_cached_tokens_of_reads_usage_or_nothing() -> None:
