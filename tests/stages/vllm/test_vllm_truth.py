@@ -147,6 +147,27 @@ def test_streaming_through_the_proxy(fleet) -> None:
     assert lines[-1] == "data: [DONE]" and len(lines) >= 2
 
 
+def test_an_accounted_route_s_prefill_ends_with_vllm_s_events(fleet) -> None:
+    """A ``/route`` caller sends the request itself: the router sees no byte of the answer, and
+    learns that the prefill is over from vLLM's events (the same that ends it behind a head-only
+    EPP, where vLLM's head comes before the prefill)."""
+    vllm, url = fleet
+    prompt, other = words(96, seed=40), words(40, seed=41)
+
+    def prefill() -> float:  # the worker's in-flight prefill, in a later placement's view
+        return float(route(url, other)["candidates"][0]["inflight_prefill_blocks"])
+
+    assert prefill() == 0
+    rid = route(url, prompt, account=True)["route_id"]
+    assert prefill() >= 96 // BS - 1  # counted from the placement on
+    complete(vllm.url, prompt)  # the caller's request, straight to vLLM
+    poll(lambda: prefill() == 0, 30, "the prefill ended by vLLM's events")
+    active = route(url, other)["candidates"][0]["active_blocks"]
+    assert active >= 96 // BS  # the route is still accounted: it holds its blocks
+    r = httpx.post(f"{url}/route/{rid}/release", headers=AUTH, timeout=10)
+    assert r.status_code == 200, r.text
+
+
 def test_cache_salt_separates_tenants(fleet) -> None:
     _, url = fleet
     prompt = words(160, seed=3)
