@@ -167,7 +167,9 @@ class KvrouterPolicy(Policy):
     def choose(self, tokens: Sequence[int], now: float) -> tuple[int, Any]:
         d = self.placer.place(tokens)
         best = d.order[0]
-        flight = self.placer.fly(d, best, self.kind, endpoint="completions")
+        flight = self.placer.fly(
+            d, best, self.kind, endpoint="completions", by_events=self.early_head
+        )
         if self.early_head:
             flight.head()
         return self._slot[d.candidates[best].key], flight

@@ -65,7 +65,8 @@ def _answer(state: Runtime, req: RouteRequest, tokens: list[int] | JsonTokens, t
     c = d.candidates[best]
     route_id = None
     if req.account:
-        route_id = placer.accounts.add(placer.fly(d, best, "route_account", t0=t0))
+        flight = placer.fly(d, best, "route_account", t0=t0, by_events=True)
+        route_id = placer.accounts.add(flight)
     else:
         placer.chose(d, best, "route")
     breakdowns: dict[int, dict[str, int]] = {}

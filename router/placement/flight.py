@@ -17,11 +17,10 @@ placement and hands back its flight. Its users:
 A flight closes exactly once: a second ``done`` does nothing, so no ticket is finished twice and
 no metric counts one request twice. Nothing else touches a load ticket.
 
-The prefill is over at the first answer byte, or as soon as the worker's KV events show the
-request's last prompt block stored there (:meth:`router.placement.placer.Placer.blocks_stored`),
-whichever comes first. The events are what ends it where the router sees no answer byte: an
-accounted ``/route``, and the picker seeing only the head, which vLLM and SGLang send before
-the prefill has even begun.
+The prefill is over at the first answer byte. Where the router may see none (an accounted
+``/route``, the picker seeing only the head, which vLLM and SGLang send before the prefill has
+even begun), the flight is made ``by_events``: the worker's KV events showing the request's
+blocks stored end it (:meth:`router.placement.placer.Placer.blocks_stored`).
 """
 
 from __future__ import annotations

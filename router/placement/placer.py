@@ -46,6 +46,8 @@ from router.types import WorkerKey
 __all__ = ["Decision", "Placer"]
 
 _M64 = (1 << 64) - 1
+#: per worker rank, the flights at most whose prefill the events end (``Placer.fly``)
+_MAX_AWAITING = 1024
 _NO_MATCH = WorkerMatch(0, {})
 _NO_SHARED = (0, 0)
 _GPU = CANONICAL_TIERS.index("GPU")
@@ -272,10 +274,19 @@ class Placer:
         return t
 
     def fly(
-        self, d: Decision, i: int, kind: str, *, endpoint: str = "", t0: float | None = None
+        self,
+        d: Decision,
+        i: int,
+        kind: str,
+        *,
+        endpoint: str = "",
+        t0: float | None = None,
+        by_events: bool = False,
     ) -> Flight:
         """Commit candidate ``i`` and return the flight that ends it (``t0``: when the request
-        arrived, on ``timer``; now if not given)."""
+        arrived, on ``timer``; now if not given). ``by_events``: the router may see no answer
+        byte that marks the prefill's end (an accounted route, the picker seeing only the
+        head), so the worker's events end it (:meth:`blocks_stored`)."""
         if t0 is None:
             t0 = self.timer()
         c = d.candidates[i]
@@ -298,10 +309,14 @@ class Placer:
         )
         # its prefill is over once the rank holds what it builds (``_built``); if it already
         # does, there is nothing to see stored (a block predicted there is not held yet: a
-        # request with the same prompt may be building it)
-        if ticket.hashes and not self._built(ticket):
-            f.awaiting = self._awaiting.setdefault(ticket.key, {})
-            f.awaiting[ticket.id] = f
+        # request with the same prompt may be building it). Each applied batch checks every
+        # flight waiting on its rank: past _MAX_AWAITING (accounted routes a caller never sent,
+        # say) a flight's prefill ends at its head or its end, as it did before the events did
+        if by_events and ticket.hashes and not self._built(ticket):
+            awaiting = self._awaiting.setdefault(ticket.key, {})
+            if len(awaiting) < _MAX_AWAITING:
+                f.awaiting = awaiting
+                awaiting[ticket.id] = f
         return f
 
     def blocks_stored(self, key: WorkerKey) -> None:

@@ -280,7 +280,9 @@ class EppStream:
             more.append(("x-data-parallel-rank", str(cand.key[1])))
             remove.remove("x-data-parallel-rank")
             self.answer_headers.append(("x-kvrouter-dp-rank", str(cand.key[1])))
-        self.flight = placer.fly(d, i, "epp", endpoint=endpoint or "other", t0=self.t0)
+        self.flight = placer.fly(
+            d, i, "epp", endpoint=endpoint or "other", t0=self.t0, by_events=self.head_only
+        )
         state.inflight += 1
         return endpoints, more, remove
 

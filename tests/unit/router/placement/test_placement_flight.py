@@ -51,10 +51,10 @@ def metric(st: Placed, text: str) -> bool:
     return text in generate_latest(st.prom).decode()
 
 
-def flight(st: Placed, kind: str, worker: str = "a") -> Flight:
+def flight(st: Placed, kind: str, worker: str = "a", *, by_events: bool = False) -> Flight:
     d = st.placer.place(list(range(64)))
     i = next(i for i, c in enumerate(d.candidates) if c.key[0] == worker)
-    return st.placer.fly(d, i, kind, endpoint="completions")
+    return st.placer.fly(d, i, kind, endpoint="completions", by_events=by_events)
 
 
 def test_a_proxy_flight_counts_once_whatever_ends_it(state) -> None:
@@ -116,7 +116,7 @@ def prefill(st: Placed) -> float:
 
 def test_an_answers_head_leaves_the_prefill_to_the_events_that_show_it_built(state) -> None:
     # vLLM and SGLang send the head before the prefill begins: only the events end it
-    f = flight(state, "epp")
+    f = flight(state, "epp", by_events=True)
     f.head()
     assert prefill(state) == 4 and metric(state, "first_byte_seconds_count")
     store(state, range(0, 2))  # half of it: still building
@@ -129,7 +129,7 @@ def test_an_answers_head_leaves_the_prefill_to_the_events_that_show_it_built(sta
 
 
 def test_a_first_byte_or_an_end_stops_the_wait_for_events(state) -> None:
-    f, g = flight(state, "proxy"), flight(state, "route_account")
+    f, g = flight(state, "epp", by_events=True), flight(state, "route_account", by_events=True)
     # (g's blocks are f's, predicted there: nothing of its own to build, but it waits for them)
     assert not g.ticket.prefill_hashes and len(state.placer._awaiting[A]) == 2
     f.first_byte()
@@ -139,7 +139,7 @@ def test_a_first_byte_or_an_end_stops_the_wait_for_events(state) -> None:
 
 
 def test_an_accounted_route_ends_its_prefill_with_the_events(state) -> None:
-    f = flight(state, "route_account")  # its caller sends the request: no byte is seen
+    f = flight(state, "route_account", by_events=True)  # its caller sends it: no byte is seen
     store(state, range(0, 4))
     assert prefill(state) == 0 and state.load.inflight("a") == 1
     f.done("released")
@@ -148,7 +148,7 @@ def test_an_accounted_route_ends_its_prefill_with_the_events(state) -> None:
 def test_a_block_past_a_hole_does_not_end_the_prefill(state) -> None:
     store(state, range(0, 4))
     state.placer.index.apply_event(A, BlockRemoved([2]))  # block 1 gone, 2 and 3 kept
-    f = flight(state, "epp")
+    f = flight(state, "epp", by_events=True)
     f.head()
     assert f.ticket.prefill_hashes and prefill(state) > 0
     state.placer.blocks_stored(A)  # the last block is held, the first to build is not
@@ -160,11 +160,26 @@ def test_a_block_past_a_hole_does_not_end_the_prefill(state) -> None:
 
 def test_a_request_with_nothing_to_build_ends_its_prefill_at_the_head(state) -> None:
     store(state, range(0, 4))
-    f = flight(state, "epp")
+    f = flight(state, "epp", by_events=True)
     assert not f.ticket.prefill_hashes and not state.placer._awaiting.get(A)
     f.head()
     assert prefill(state) == 0
     f.done("200")
+
+
+def test_only_flights_made_by_events_wait_and_a_rank_holds_a_bounded_number(
+    state, monkeypatch
+) -> None:
+    f = flight(state, "proxy")  # its first byte ends the prefill: nothing to wait for
+    assert not state.placer._awaiting.get(A)
+    f.done("200")
+    monkeypatch.setattr("router.placement.placer._MAX_AWAITING", 2)
+    held = [flight(state, "route_account", by_events=True) for _ in range(3)]
+    assert len(state.placer._awaiting[A]) == 2 and held[2].awaiting is None
+    held[2].head()  # past the bound: the head ends it, as before the events did
+    assert held[2].ticket.state.name == "DECODE" and held[0].ticket.state.name == "PREFILL"
+    for g in held:
+        g.done("released")
 
 
 def test_cached_tokens_of_reads_usage_or_nothing() -> None:
