@@ -69,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--worker-id", help="id to register under (default engine-PORT)")
     a("--pool", help="EXTERNAL pool group name to register with")
     a("--advertise-url", help="URL the router uses to reach this engine")
+    a(
+        "--stream-head",
+        default="first-token",
+        choices=("first-token", "at-once"),
+        help="send a streamed answer's head with its first token, or at once as vLLM does",
+    )
     a("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     return p
 
@@ -138,6 +144,7 @@ def parse_args(argv: Sequence[str]) -> tuple[ServerSettings, argparse.Namespace]
         worker_id=args.worker_id,
         admin_key=os.environ.get("KVROUTER_ADMIN_KEY") or None,
         advertise_url=args.advertise_url,
+        stream_head=args.stream_head,
     )
     return settings, args
 

@@ -107,8 +107,14 @@ class ServerSettings:
     admin_key: str | None = None
     #: URL the router should use to reach this engine (default: http://host:port as bound).
     advertise_url: str | None = None
+    #: when a streamed answer's head goes: with the first token ("first-token": an error the
+    #: engine finds at admission is an HTTP status), or "at-once", before the prefill, as vLLM
+    #: and SGLang send it (that error is then an SSE error event)
+    stream_head: str = "first-token"
 
     def __post_init__(self) -> None:
+        if self.stream_head not in ("first-token", "at-once"):
+            raise ConfigError("--stream-head must be first-token or at-once")
         if self.replay_buffer <= 0:
             raise ConfigError("--replay-buffer must be positive")
         if self.dp_rank < 0:

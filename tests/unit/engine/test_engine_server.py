@@ -104,6 +104,27 @@ async def test_errors_are_json_like_the_router(url: str) -> None:
     assert "maximum context length" in cases[3][0].json()["error"]["message"]
 
 
+async def test_a_head_sent_at_once_comes_before_the_engine_has_looked_at_the_request() -> None:
+    """``--stream-head at-once`` answers as vLLM and SGLang do: a streamed request's head goes
+    before the prefill, so what the engine refuses at admission is an SSE error after a 200."""
+    body = {"prompt": "x", "max_tokens": 10**6, "stream": True}  # over the context length
+    for head, status in (("first-token", 400), ("at-once", 200)):
+        settings = ServerSettings(
+            engine=EngineConfig(speedup=100.0), events=None, replay=None, stream_head=head
+        )
+        async with serve(create_app(settings)) as u, httpx.AsyncClient(base_url=u) as c:
+            r = await c.post("/v1/completions", json=body, timeout=30)
+            assert r.status_code == status, r.text
+            if head == "at-once":
+                events = [ln[6:] for ln in r.text.splitlines() if ln.startswith("data: ")]
+                assert events[-1] == "[DONE]"
+                assert "maximum context length" in json.loads(events[0])["error"]["message"]
+            good = {"prompt": LONG, "max_tokens": 4, "stream": True}
+            r = await c.post("/v1/completions", json=good, timeout=30)
+            assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+            assert r.text.count('"text"') >= 1
+
+
 async def test_client_disconnect_aborts_the_sequence(tmp_path: Path) -> None:
     settings = _settings(speedup=1.0)  # ~8 ms per decode step: 2000 tokens take ~16 s
     async with serve(create_app(settings)) as url, httpx.AsyncClient(base_url=url, timeout=30) as c:
