@@ -108,8 +108,8 @@ class ServerSettings:
     #: URL the router should use to reach this engine (default: http://host:port as bound).
     advertise_url: str | None = None
     #: when a streamed answer's head goes: with the first token ("first-token": an error the
-    #: engine finds at admission is an HTTP status), or "at-once", before the prefill, as vLLM
-    #: and SGLang send it (that error is then an SSE error event)
+    #: engine finds at admission is an HTTP status, as SGLang does too), or "at-once", before the
+    #: prefill, as vLLM sends it (that error is then an SSE error event)
     stream_head: str = "first-token"
 
     def __post_init__(self) -> None:

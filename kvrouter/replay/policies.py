@@ -12,7 +12,7 @@ Every policy answers ``place(request, tokens, now) -> (worker, handle)`` and hea
   The index hears each step's events, and the placer with it (``Placer.blocks_stored``).
 * ``kvrouter-early-head``: the same placement as the endpoint picker makes it with the answer's
   body kept off it (``kvrouter.gateway``'s head-only mode) in front of engines that send their
-  answer's head at once, as vLLM and SGLang do: the head comes at admission and no first token
+  answer's head at once, as vLLM does: the head comes at admission and no first token
   is seen, so each request's prefill ends with the events that show its prompt stored.
 * ``cache_aware``: sglang-router 0.3.2's ``--policy cache_aware`` with its defaults, emulated so
   the peer's rule runs in virtual time too: a tree of what was *routed* to each worker (no KV

@@ -320,7 +320,7 @@ class EppStream:
                     # end, a close or a reset (Envoy does either, maybe before our answer to
                     # the head is written), stands for the answer's: set before that answer
                     # goes. (A client leaving mid-answer looks the same to the picker.) The
-                    # prefill ends with the worker's events: vLLM and SGLang send the head
+                    # prefill ends with the worker's events: vLLM sends the head
                     # before it has begun (Flight.head)
                     self.ttfb = time.perf_counter() - self.t0
                     flight.head()

@@ -105,7 +105,7 @@ async def test_errors_are_json_like_the_router(url: str) -> None:
 
 
 async def test_a_head_sent_at_once_comes_before_the_engine_has_looked_at_the_request() -> None:
-    """``--stream-head at-once`` answers as vLLM and SGLang do: a streamed request's head goes
+    """``--stream-head at-once`` answers as vLLM does: a streamed request's head goes
     before the prefill, so what the engine refuses at admission is an SSE error after a 200."""
     body = {"prompt": "x", "max_tokens": 10**6, "stream": True}  # over the context length
     for head, status in (("first-token", 400), ("at-once", 200)):

@@ -208,7 +208,7 @@ async def test_with_the_answer_s_body_off_its_head_is_the_first_byte_its_close_t
     workers, epp, http
 ):
     """response_body_mode NONE: no response chunk comes. The head is timed as the first byte,
-    but the prefill ends only when the worker's events show the prompt stored (vLLM and SGLang
+    but the prefill ends only when the worker's events show the prompt stored (vLLM
     send the head at once); Envoy closing its side after the head ends the flight with the
     head's status."""
     a = await workers("a")

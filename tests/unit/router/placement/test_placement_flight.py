@@ -115,7 +115,7 @@ def prefill(st: Placed) -> float:
 
 
 def test_an_answers_head_leaves_the_prefill_to_the_events_that_show_it_built(state) -> None:
-    # vLLM and SGLang send the head before the prefill begins: only the events end it
+    # vLLM sends the head before the prefill begins: only the events end it
     f = flight(state, "epp", by_events=True)
     f.head()
     assert prefill(state) == 4 and metric(state, "first_byte_seconds_count")
