@@ -18,9 +18,9 @@ A flight closes exactly once: a second ``done`` does nothing, so no ticket is fi
 no metric counts one request twice. Nothing else touches a load ticket.
 
 The prefill is over at the first answer byte. Where the router may see none (an accounted
-``/route``, the picker seeing only the head, which vLLM sends before the prefill has
-even begun), the flight is made ``by_events``: the worker's KV events showing the request's
-blocks stored end it (:meth:`router.placement.placer.Placer.blocks_stored`).
+``/route``, the picker seeing only the head, which vLLM sends before the prefill has even
+begun), the flight is made ``by_events``: the worker's KV events showing the request's blocks
+stored end it (:meth:`router.placement.placer.Placer.blocks_stored`).
 """
 
 from __future__ import annotations
@@ -129,9 +129,9 @@ class Flight:
 
     def head(self) -> None:
         """The answer's head, timed as the first byte (TTFB), when no body byte will be seen.
-        It says nothing of a prefill that has blocks to build (vLLM sends it at
-        once): that one ends with the events showing them stored, or with the flight. One
-        with none to build ends here (idempotent)."""
+        It says nothing of a prefill that has blocks to build (vLLM sends it at once): that one
+        ends with the events showing them stored, or with the flight. One with none to build,
+        or not waiting for events, ends here (idempotent)."""
         if not self.ttfb_seen and self.ticket.state is not TicketState.DONE:
             self.ttfb_seen = True
             self.metrics.first_byte(self.worker, self.timer() - self.t0)
