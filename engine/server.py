@@ -262,20 +262,28 @@ async def _serve(
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     start = time.monotonic()
     outputs = st.engine.generate(req)
-    if body.stream and st.settings.stream_head == "at-once":
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        gen = _stream_at_once(st, req.request_id, outputs, stops, chat, include_usage, start)
-        return StreamingResponse(gen, media_type="text/event-stream")
-    try:
-        first = await outputs.__anext__()  # errors (400 too long) surface before any byte is sent
-    except InvalidRequestError as exc:
-        raise ApiError(400, str(exc)) from exc
-    st.metrics.ttft.observe(time.monotonic() - start)
+    first: RequestOutput | None = None
+    if not (body.stream and st.settings.stream_head == "at-once"):
+        first = await _first(st, outputs, start)  # (400 too long) before any byte is sent
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         gen = _stream(st, req.request_id, first, outputs, stops, chat, include_usage, start)
         return StreamingResponse(gen, media_type="text/event-stream")
+    assert first is not None
     return await _until_done(request, st, req.request_id, first, outputs, stops, chat, start)
+
+
+async def _first(
+    st: EngineState, outputs: AsyncIterator[RequestOutput], start: float
+) -> RequestOutput:
+    """The first output (the prefill done), timed as the TTFT; a request the engine refuses at
+    admission is a 400."""
+    try:
+        first = await outputs.__anext__()
+    except InvalidRequestError as exc:
+        raise ApiError(400, str(exc)) from exc
+    st.metrics.ttft.observe(time.monotonic() - start)
+    return first
 
 
 async def _collect_text(
@@ -335,16 +343,26 @@ async def _until_done(
 async def _stream(
     st: EngineState,
     rid: str,
-    first: RequestOutput,
+    first: RequestOutput | None,
     outputs: AsyncIterator[RequestOutput],
     stops: list[str],
     chat: bool,
     include_usage: bool,
     start: float,
 ) -> AsyncIterator[bytes]:
+    """The SSE answer. ``first`` None (``--stream-head at-once``): the head went before the
+    prefill, as vLLM sends it, so the first output is awaited here, and a request the engine
+    refuses at admission ends as an SSE error event."""
     stop = StopChecker(stops)
-    last = first
     try:
+        if first is None:
+            try:
+                first = await _first(st, outputs, start)
+            except ApiError as exc:
+                yield b"data: " + error_body(exc.message, exc.type) + b"\n\n"
+                yield b"data: [DONE]\n\n"
+                return
+        last = first
         if chat:
             yield _sse(chat_chunk(rid, st.model, {"role": "assistant", "content": ""}, None))
         async for delta, last in _collect_text(st, first, outputs, stop):
@@ -369,35 +387,6 @@ async def _stream(
     finally:
         # client gone (the response task is cancelled) or stop string: abort the sequence
         await _close(outputs)
-
-
-async def _stream_at_once(
-    st: EngineState,
-    rid: str,
-    outputs: AsyncIterator[RequestOutput],
-    stops: list[str],
-    chat: bool,
-    include_usage: bool,
-    start: float,
-) -> AsyncIterator[bytes]:
-    """``--stream-head at-once``: the head is already sent, before the prefill (vLLM's and
-    SGLang's way), so a request the engine refuses at admission ends as an SSE error event."""
-    try:
-        first = await outputs.__anext__()
-    except InvalidRequestError as exc:
-        yield b"data: " + error_body(str(exc), "invalid_request_error") + b"\n\n"
-        yield b"data: [DONE]\n\n"
-        return
-    except BaseException:
-        await _close(outputs)  # (the client left during the prefill)
-        raise
-    st.metrics.ttft.observe(time.monotonic() - start)
-    rest = _stream(st, rid, first, outputs, stops, chat, include_usage, start)
-    try:
-        async for chunk in rest:
-            yield chunk
-    finally:  # (a client that leaves closes this generator: _stream then aborts the sequence)
-        await rest.aclose()
 
 
 async def _close(outputs: AsyncIterator[RequestOutput]) -> None:

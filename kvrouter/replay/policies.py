@@ -134,8 +134,7 @@ class LeastLoadPolicy(RoundRobinPolicy):
 
 class KvrouterPolicy(Policy):
     name = "kvrouter"
-    kind = "proxy"  # the flight's kind: the proxy's
-    early_head = False  # the first byte at the first token
+    early_head = False  # the first byte at the first token, as the proxy sees it
 
     def __init__(
         self, engines: Sequence[LLMEngine], settings: Settings, clock: Callable[[], float]
@@ -167,11 +166,11 @@ class KvrouterPolicy(Policy):
     def choose(self, tokens: Sequence[int], now: float) -> tuple[int, Any]:
         d = self.placer.place(tokens)
         best = d.order[0]
-        flight = self.placer.fly(
-            d, best, self.kind, endpoint="completions", by_events=self.early_head
-        )
-        if self.early_head:
+        if self.early_head:  # the picker's flight, seeing the head at once and no first token
+            flight = self.placer.fly(d, best, "epp", endpoint="completions", by_events=True)
             flight.head()
+        else:
+            flight = self.placer.fly(d, best, "proxy", endpoint="completions")
         return self._slot[d.candidates[best].key], flight
 
     def first_token(self, handle: Any, now: float) -> None:
@@ -193,7 +192,6 @@ class KvrouterEarlyHeadPolicy(KvrouterPolicy):
     """``kvrouter-early-head`` (see the module docstring)."""
 
     name = "kvrouter-early-head"
-    kind = "epp"
     early_head = True
 
 
