@@ -8,6 +8,7 @@ the 2-core dev machine; nothing else should be running):
     python benchmarks/bench_epp.py --requests 300 --cpu-requests 500      # a quick look
     python benchmarks/bench_epp.py --floor                # and the grpc.aio floor beside it
     python benchmarks/bench_epp.py --floor --response-body none   # the answer's body off the EPP
+    python benchmarks/bench_epp.py --floor --floor-transport h2   # a floor with no gRPC library
     python benchmarks/bench_epp.py --concurrency 1,8,32 --json out/bench_epp.json
     taskset -c 0 python benchmarks/bench_epp.py           # every process on one core
 
@@ -24,7 +25,9 @@ What runs, all real processes on 127.0.0.1, every port bound 0 and read back:
   listeners: ``inference`` as committed (ext_proc to the EPP, the ORIGINAL_DST cluster to the
   endpoint it names) and ``direct``, the same connection manager without ext_proc, to a STATIC
   cluster of the same upstream; with ``--floor`` a third, ``floor``: ``inference`` asking
-  ``epp_floor.py`` instead, a grpc.aio picker on uvloop that does the least the protocol allows.
+  ``epp_floor.py`` instead, a grpc.aio picker on uvloop that does the least the protocol allows
+  (``--floor-transport h2``: the same picker with gRPC's framing on ``h2`` in the loop, no gRPC
+  library, to tell grpc.aio's price from the protocol's round trips).
 
 Paths: ``epp`` (client → Envoy ``inference`` → EPP → upstream), ``direct`` (client → Envoy
 ``direct`` → upstream), ``floor`` (``--floor``: epp with the floor's picker, so epp minus floor is
@@ -246,9 +249,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         epp_port = int(router.wait_line(EPP_READY, 60, kids.stop).group(2))
         host, port = upstream.removeprefix("http://").rsplit(":", 1)
         floor = None
-        if args.floor:  # the least a grpc.aio picker can cost, next to ours
+        if args.floor:  # the least a Python picker can cost, next to ours
             argv = [sys.executable, str(ROOT / "benchmarks" / "epp_floor.py"), "--endpoint"]
-            floor = kids.spawn("floor", [*argv, f"{host}:{port}"])
+            argv += [f"{host}:{port}", "--transport", args.floor_transport]
+            floor = kids.spawn("floor", argv)
             floor_port = int(floor.wait_line(EPP_READY, 60, kids.stop).group(2))
 
         wait_until(lambda: answers_ok(router_url + "/ready"), 60, "the router's /ready")
@@ -281,7 +285,7 @@ def _loop(main: Any) -> Any:
 async def measure(
     args: argparse.Namespace, urls: dict[str, str], cpu: Callable[[], dict[str, float]]
 ) -> dict[str, Any]:
-    result: dict[str, Any] = {"latency": [], "cpu": []}
+    result: dict[str, Any] = {"latency": [], "cpu": [], "floor_transport": args.floor_transport}
     for stream in (False, True):
         body = bodies(stream)
         variant = "stream" if stream else "json"
@@ -323,7 +327,7 @@ def markdown(result: dict[str, Any]) -> str:
     us = lambda x: f"{x * 1e6:+.0f}"  # noqa: E731
     lines = [
         "Latency (ms, client-observed; added = path - direct, µs; target: epp's added p99 <= "
-        "1,000 µs; floor: the least grpc.aio picker)",
+        f"1,000 µs; floor: the least picker on {result['floor_transport']})",
         "",
         "| variant | conc | path | p50 / p99 / mean | added p50 | added p99 | added mean |",
         "|---|---:|---|---|---:|---:|---:|",
@@ -359,6 +363,13 @@ def main() -> None:
     ap.add_argument("--envoy-bin", help="default: $KVROUTER_ENVOY_BIN, else .venv-envoy's")
     ap.add_argument("--json", metavar="PATH", help="write the figures here too")
     ap.add_argument("--floor", action="store_true", help="path floor too (epp_floor.py)")
+    ap.add_argument(
+        "--floor-transport",
+        choices=("grpc", "h2"),
+        default="grpc",
+        help="the floor's server: grpc.aio, as the router's EPP (default), or gRPC's framing on "
+        "h2 with no gRPC library (epp_floor.py --transport h2; needs `pip install h2`)",
+    )
     ap.add_argument(
         "--response-body",
         choices=("streamed", "none"),
