@@ -1,18 +1,10 @@
-"""The floor of a Python endpoint picker: a grpc.aio ext_proc server on uvloop that answers
-Envoy's message sequence with the least work, for ``bench_epp.py --floor``. What it costs is
-grpc.aio's (and the event loop's) own price per stream and per message; the router's EPP minus
-this is what kvrouter adds.
+"""The floor of a Python endpoint picker: an ext_proc server on uvloop (grpc.aio, as the router's
+EPP; or ``--transport h2``, below) that answers Envoy's message sequence with the least work, for
+``bench_epp.py --floor``. What it costs is the transport's (and the event loop's) own price per
+stream and per message; the router's EPP minus the grpc.aio floor is what kvrouter adds.
 
     python benchmarks/epp_floor.py --endpoint 127.0.0.1:8000   # prints "EPP listening on ..."
     python benchmarks/epp_floor.py --endpoint 127.0.0.1:8000 --transport h2   # needs h2
-
-``--transport h2`` serves the same picker with no gRPC library: gRPC's framing (a 5-byte prefix
-per message, ``grpc-status`` trailers) on the ``h2`` package's HTTP/2 state machine, in an asyncio
-protocol on the loop, a task per stream as grpc.aio runs its handlers. grpc.aio's C core reads
-the sockets on a poller thread of its own and hands each message to the loop across threads;
-this does not. The difference between the two floors is grpc.aio's price; what both pay is the
-protocol's: Envoy's round trips to a picker, one message at a time. It is a measurement, not a
-server: it trusts its one peer (no limits, no compression, deadlines or flow-control stalls).
 
 It speaks the same protocol as ``router.edge.epp`` with Envoy's FULL_DUPLEX_STREAMED bodies both
 ways: the request headers, body and trailers read to the end, then one answer naming the fixed
@@ -21,6 +13,14 @@ chunk, the trailers' answer; in the response phase every message answered at onc
 CONTINUE, body chunks echoed) until the answer's end. No placement, no metrics, no access log,
 no deadline; the constant answers are serialized once and sent as bytes. It also serves the
 standard ``grpc.health.v1`` service (Envoy health-checks its EPP cluster).
+
+``--transport h2`` serves the same picker with no gRPC library: gRPC's framing (a 5-byte prefix
+per message, ``grpc-status`` trailers) on the ``h2`` package's HTTP/2 state machine, in an asyncio
+protocol on the loop, a task per stream as grpc.aio runs its handlers. grpc.aio's C core reads
+the sockets on a poller thread of its own and hands each message to the loop across threads;
+this does not. The difference between the two floors is grpc.aio's price; what both pay is the
+protocol's: Envoy's round trips to a picker, one message at a time. It is a measurement, not a
+server: it trusts its one peer (no limits, no compression, deadlines or flow-control stalls).
 
 :func:`add_floor` adds a listener ``floor`` to a rendered Envoy config (:func:`kvrouter.gateway.
 render`): the ``inference`` listener's copy whose ext_proc filter asks this server instead.
