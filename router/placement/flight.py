@@ -123,8 +123,11 @@ class Flight:
             metrics.flight_started(self.worker)
 
     def first_byte(self) -> None:
-        """The worker's first answer byte: the request's prefill is over (idempotent)."""
-        self.head()
+        """The worker's first answer byte: the request's prefill is over (idempotent: the proxy
+        calls it for every chunk, so a repeat costs one test)."""
+        if self.ttfb_seen and self.ticket.state is not TicketState.PREFILL:
+            return  # (a flight still awaiting events is in PREFILL)
+        self._time_head()
         self.prefill_over()
 
     def head(self) -> None:
@@ -132,11 +135,14 @@ class Flight:
         It says nothing of a prefill that has blocks to build (vLLM sends it at once): that one
         ends with the events showing them stored, or with the flight. One with none to build,
         or not waiting for events, ends here (idempotent)."""
+        self._time_head()
+        if self.awaiting is None:
+            self.prefill_over()
+
+    def _time_head(self) -> None:
         if not self.ttfb_seen and self.ticket.state is not TicketState.DONE:
             self.ttfb_seen = True
             self.metrics.first_byte(self.worker, self.timer() - self.t0)
-        if self.awaiting is None:
-            self.prefill_over()
 
     def prefill_over(self) -> None:
         """The request's prefill is over: its blocks count as decoding from now (idempotent)."""
