@@ -112,15 +112,6 @@ class Runtime:
             f"{ix.max_rank_entries:,}" if ix.max_rank_entries else "no",
             ix.capacity_margin,
         )
-        self.subscriber = Subscriber(
-            self.index,
-            replay_timeout=settings.subscriber.replay_timeout_s,
-            max_message_bytes=settings.subscriber.max_message_bytes,
-            batch_window=settings.subscriber.batch_window_ms / 1000,
-            on_applied=self._blocks_stored,
-        )
-        if seqs:  # resume each worker rank after its snapshotted seq (replay closes the gap)
-            self.subscriber.restore_seqs(seqs)
         sc = settings.scoring
         self.registry = Registry(settings.health, scrape_metrics=sc.scrapes_metrics, clock=clock)
         self.health = HealthChecker(
@@ -131,9 +122,18 @@ class Runtime:
         )
         self.prom = CollectorRegistry(auto_describe=True)
         self.metrics = RouterMetrics(self.prom)
-        self.prom.register(StateCollector(self._samples))
-        register_process_metrics(self.prom)
         self.placer = Placer(settings, self.index, self.registry, metrics=self.metrics, clock=clock)
+        self.subscriber = Subscriber(
+            self.index,
+            replay_timeout=settings.subscriber.replay_timeout_s,
+            max_message_bytes=settings.subscriber.max_message_bytes,
+            batch_window=settings.subscriber.batch_window_ms / 1000,
+            on_applied=self.placer.blocks_stored,  # (events end the prefills they show built)
+        )
+        if seqs:  # resume each worker rank after its snapshotted seq (replay closes the gap)
+            self.subscriber.restore_seqs(seqs)
+        self.prom.register(StateCollector(self._samples))  # (it reads the subscriber's stats)
+        register_process_metrics(self.prom)
         self.replicas: ReplicaSync | None = None  # started by the lifespan, after the subscriber
         if settings.replicas.enabled:
             self.replicas = ReplicaSync(
@@ -256,9 +256,6 @@ class Runtime:
                 out.append(WorkerSample(key[0], key[1], st.healthy, stats.get(key), ix))
                 out[-1].stale = stale
         return out
-
-    def _blocks_stored(self, key: WorkerKey) -> None:
-        self.placer.blocks_stored(key)
 
     async def snapshot_bytes(self) -> bytes:
         """The index and each rank's last applied seq (``PrefixIndex.snapshot_bytes``'s bytes),
