@@ -1,7 +1,7 @@
 """The router's settings (one YAML file, ``KVROUTER_*`` environment variables, flags): the
 ``Settings`` tree in :mod:`router.settings.config`, its ``scoring:`` part (and the cost formula's
 defaults) in :mod:`router.settings.scoring`, Kubernetes discovery in :mod:`router.settings.k8s`,
-the Envoy endpoint picker in :mod:`router.settings.epp`, replicas in
+the Envoy endpoint picker in :mod:`router.settings.epp`, prefill/decode in :mod:`router.settings.pd`, replicas in
 :mod:`router.settings.replicas`. Every other router package reads its
 settings from here; this package imports only ``router.errors`` and the indexer's tier vocabulary."""
 
@@ -24,6 +24,7 @@ from router.settings.config import (
 )
 from router.settings.epp import EppSettings
 from router.settings.k8s import DiscoverySettings, KubernetesSettings
+from router.settings.pd import PD_MODES, PD_PROTOCOLS, ROLES, PdSettings
 from router.settings.replicas import PeerDiscoverySettings, ReplicaSettings
 from router.settings.scoring import DEFAULT_CACHE_CREDIT, DEFAULT_OVERLAP_WEIGHT, ScoringSettings
 
@@ -32,11 +33,15 @@ __all__ = [
     "DEFAULT_OVERLAP_WEIGHT",
     "DEFAULT_TIER_WEIGHTS",
     "ENV_PREFIX",
+    "PD_MODES",
+    "PD_PROTOCOLS",
+    "ROLES",
     "DiscoverySettings",
     "EppSettings",
     "HealthSettings",
     "IndexSettings",
     "KubernetesSettings",
+    "PdSettings",
     "PeerDiscoverySettings",
     "ProxySettings",
     "ReplicaSettings",

@@ -22,6 +22,7 @@ from router.errors import config_check as _check
 from router.settings.epp import EppSettings
 from router.settings.k8s import KubernetesSettings
 from router.settings.keyfiles import read_key_files
+from router.settings.pd import ROLES, PdSettings
 from router.settings.replicas import ReplicaSettings
 from router.settings.scoring import ScoringSettings
 
@@ -55,6 +56,10 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     dp_ranks: int = 1
     pool: str | None = None
     model: str = ""
+    #: prefill, decode or both (a whole request); docs/architecture.md §10
+    role: str = "both"
+    #: SGLang PD: the prefill worker's bootstrap port (its host is the URL's)
+    bootstrap_port: int | None = None
 
     def __post_init__(self) -> None:
         # ids reach response headers (x-kvrouter-worker), metric labels and URLs: a strict charset
@@ -67,6 +72,9 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
                 zmq_ok = ep.startswith(("tcp://", "ipc://", "inproc://"))
                 _check(zmq_ok, key, "must be a ZMQ endpoint (tcp://host:port)")
         _check(1 <= self.dp_ranks <= 1024, "dp_ranks", "must be between 1 and 1024")
+        _check(self.role in ROLES, "role", f"must be one of {', '.join(ROLES)}")
+        bp = self.bootstrap_port
+        _check(bp is None or 1 <= bp <= 65535, "bootstrap_port", "must be between 1 and 65535")
 
     @property
     def base_url(self) -> str:
@@ -222,6 +230,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     tracing: TracingSettings = msgspec.field(default_factory=TracingSettings)
     replicas: ReplicaSettings = msgspec.field(default_factory=ReplicaSettings)
     epp: EppSettings = msgspec.field(default_factory=EppSettings)
+    pd: PdSettings = msgspec.field(default_factory=PdSettings)
     workers: list[WorkerConfig] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -275,7 +284,8 @@ def _convert(raw: Mapping[str, Any]) -> Settings:
 
 
 def parse_worker_spec(spec: str) -> dict[str, Any]:
-    """``id=w0,url=http://h:8001,events=tcp://h:5557[,replay=...][,dp=2][,pool=P][,model=M]``."""
+    """``id=w0,url=http://h:8001,events=tcp://h:5557[,replay=...][,dp=2][,pool=P][,model=M]
+    [,role=prefill|decode|both][,bootstrap=PORT]``."""
     names = {
         "id": "id",
         "url": "url",
@@ -284,6 +294,8 @@ def parse_worker_spec(spec: str) -> dict[str, Any]:
         "dp": "dp_ranks",
         "pool": "pool",
         "model": "model",
+        "role": "role",
+        "bootstrap": "bootstrap_port",
     }
     out: dict[str, Any] = {}
     for part in spec.split(","):
@@ -292,13 +304,13 @@ def parse_worker_spec(spec: str) -> dict[str, Any]:
         if not sep or key not in names:
             raise ConfigError(
                 f"invalid --worker {spec!r}: unknown item {part!r} (expected id=, url=, events=, "
-                "replay=, dp=, pool=, model=)"
+                "replay=, dp=, pool=, model=, role=, bootstrap=)"
             )
-        if key == "dp":
+        if key in ("dp", "bootstrap"):
             try:
-                out["dp_ranks"] = int(value)
+                out[names[key]] = int(value)
             except ValueError as e:
-                raise ConfigError(f"invalid --worker {spec!r}: dp must be an integer") from e
+                raise ConfigError(f"invalid --worker {spec!r}: {key} must be an integer") from e
         else:
             out[names[key]] = value.strip()
     for required in ("id", "url"):
