@@ -128,7 +128,7 @@ class _Server(RouterServer):
     async def _drain(self, kv: Any) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._grace_s
-        while kv.inflight > 0 and loop.time() < deadline and not self.should_exit:
+        while kv.placer.inflight > 0 and loop.time() < deadline and not self.should_exit:
             await asyncio.sleep(0.05)  # polling the in-flight count: no event exists for it
         self.should_exit = True
 

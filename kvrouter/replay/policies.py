@@ -41,7 +41,7 @@ from indexer.events import Event
 from indexer.index import PrefixIndex
 from kvrouter.replay.trace import leading_run
 from router.fleet.registry import Registry
-from router.placement import Placer
+from router.placement import PlacementSettings, Placer
 from router.settings import Settings, WorkerConfig
 
 if TYPE_CHECKING:
@@ -151,7 +151,7 @@ class KvrouterPolicy(Policy):
         # as the service: each rank capped at its KV capacity (which the health checks read from
         # the worker's /metrics, here from the engine itself), that the scoring also reads
         self.index.set_rank_caps(settings.index.max_rank_entries, settings.index.capacity_margin)
-        self.placer = Placer(settings, self.index, fleet, clock=clock)
+        self.placer = Placer(PlacementSettings.of(settings), self.index, fleet, clock=clock)
         self.keys = []
         for w, engine in enumerate(engines):
             cfg = WorkerConfig(

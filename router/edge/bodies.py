@@ -67,7 +67,19 @@ class RouteRequest(msgspec.Struct):
     account: bool = False
 
 
-class CompletionBody(msgspec.Struct):
+class _OpenAIBody(msgspec.Struct):
+    """What both OpenAI bodies carry that the router reads: ``n`` (several answers: one leg on
+    the decode worker) and the fields that steer a KV transfer, which only the router may set
+    (:data:`router.edge.legs.STEERING`: a client sending one gets 400)."""
+
+    n: int | None = None
+    kv_transfer_params: Any = None
+    bootstrap_host: Any = None
+    bootstrap_port: Any = None
+    bootstrap_room: Any = None
+
+
+class CompletionBody(_OpenAIBody):
     """The fields of an OpenAI completions request the router reads; the body is forwarded as is."""
 
     model: str | None = None
@@ -79,7 +91,7 @@ class CompletionBody(msgspec.Struct):
     cache_salt: str | None = None
 
 
-class ChatBody(msgspec.Struct):
+class ChatBody(_OpenAIBody):
     model: str | None = None
     messages: list[dict[str, Any]] | None = None
     stream: bool = False
@@ -127,6 +139,8 @@ class RouteOut(msgspec.Struct, omit_defaults=True, gc=False):
     #: "Changes" lists it
     cached_blocks: int = 0
     route_id: str | None = None
+    #: a disaggregated fleet's decision and legs (router.edge.legs.PdOut)
+    pd: Any = None
 
 
 _decoders: dict[type, tuple[msgspec.json.Decoder[Any], frozenset[str]]] = {}

@@ -1,7 +1,12 @@
 """The OpenAI proxy: ``POST /v1/completions`` and ``POST /v1/chat/completions`` to the chosen worker.
 
-- The client's body is forwarded byte for byte (the router never adds ``stream_options``); only
-  registered worker URLs are ever called.
+- The request comes in through the front door (:mod:`router.edge.door`: keys, admission, body,
+  pick); a remote pick's prefill leg runs first (:mod:`router.edge.pd_flow`), then the decode
+  worker, whose answer is the client's.
+
+- The client's body is forwarded byte for byte (the router never adds ``stream_options``), but
+  for a disaggregated request's legs (:mod:`router.edge.legs`); only registered worker URLs are
+  ever called.
 - Retry: a connection failure, a timeout before the response head, or a 502/503/504 moves the
   request to the next best worker — only while nothing was sent to the client. Afterwards an
   upstream failure aborts the client's connection (a truncated stream, never a fake end).
@@ -29,29 +34,23 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import Receive, Scope, Send
 
-from router.edge.bodies import (
-    ChatBody,
-    CompletionBody,
-    check_messages,
-    completion_tokens_source,
-    decode,
-    read_body,
-)
+from router.edge.bodies import read_body
+from router.edge.door import Entry, enter, pick_headers
+from router.edge.legs import apply, decode_patch
+from router.edge.pd_flow import PrefillAnswer, Sibling, SiblingFailed, prefill_first
+from router.edge.usage import UsageScan, cached_tokens_of
 from router.errors import (
     BadGateway,
-    BadRequest,
     GatewayTimeout,
     NoHealthyWorker,
     RouterError,
-    TooManyRequests,
     error_json,
-    require_bearer,
 )
 from router.fleet.upstream import ConnectError, ReadTimeout, UpstreamError, UpstreamResponse
-from router.placement import Flight, cached_tokens_of
+from router.placement import REMOTE, Flight, cached_tokens
 from router.runtime import Runtime
 
-__all__ = ["AsgiProxy", "Responder", "proxy_request", "request_tokens"]
+__all__ = ["AsgiProxy", "Responder", "proxy_request"]
 
 log = logging.getLogger("kvrouter.proxy")
 
@@ -79,24 +78,6 @@ class Responder:
 
     def abort(self) -> None:
         raise NotImplementedError
-
-
-async def request_tokens(state: Runtime, endpoint: str, body: bytes) -> tuple[Any, list[int], bool]:
-    """A completions or chat body (``endpoint``) decoded, its prompt tokens and whether it
-    streams; raises :class:`RouterError` (400/422) for a bad body. The EPP decodes alike."""
-    if endpoint == "completions":
-        req: Any = decode(body, CompletionBody)
-        src = completion_tokens_source(req.prompt)
-        if src is None:
-            raise BadRequest("prompt is required")
-        if isinstance(src, str):
-            return req, await state.tokenizer.encode(src, req.model), req.stream
-        return req, src, req.stream
-    req = decode(body, ChatBody)
-    if not req.messages:
-        raise BadRequest("messages is required")
-    check_messages(req.messages)
-    return req, await state.tokenizer.encode_chat(req.messages, req.model), req.stream
 
 
 async def _exchange(
@@ -130,19 +111,18 @@ async def proxy_request(
     """Proxy one request (``endpoint``: ``completions`` or ``chat``) and write the answer to
     ``out``. Raises :class:`RouterError` only before anything was written. Cancelling the task
     (the client went away) closes the upstream exchange and counts ``client_disconnect``."""
-    keys = state.settings.api_keys
-    if keys:  # the router's own client keys: checked here, never forwarded to a worker
-        require_bearer(header("authorization"), keys, "the OpenAI endpoints")
-    s = state.settings.proxy
-    if state.inflight >= s.max_inflight:
-        raise TooManyRequests(f"over max_inflight ({s.max_inflight} requests in flight)")
-    req, tokens, stream = await request_tokens(state, endpoint, body)
-    placer = state.placer
-    d = placer.place(tokens, req.model, req.lora_name, req.cache_salt)
-    if not d.order:
-        raise NoHealthyWorker("no healthy worker for this request")
-    path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
+    entry = await enter(state, endpoint, body, header("authorization"))
+    try:
+        await _serve(state, entry, _forwarded(state, header), out, t0)
+    finally:
+        entry.release()
+
+
+def _forwarded(state: Runtime, header: Callable[[str], str | None]) -> list[tuple[str, str]]:
+    """The client's headers a worker gets: never the router's own client key, and the router's
+    span as the trace parent when tracing."""
     fwd = [("Content-Type", "application/json")]
+    keys = state.settings.api_keys
     trace_headers = state.trace_headers
     traced = trace_headers is not None
     for h in _FORWARD_HEADERS:
@@ -151,21 +131,68 @@ async def proxy_request(
         v = header(h)
         if v is not None:
             fwd.append((h, v))
-    if trace_headers is not None:  # the router's span, not the client's, is the parent
+    if trace_headers is not None:
         fwd += trace_headers()
-    state.inflight += 1
+    return fwd
+
+
+async def _serve(
+    state: Runtime, entry: Entry, fwd: list[tuple[str, str]], out: Responder, t0: float
+) -> None:
+    """Execute the pick: the prefill leg first when it is remote (:mod:`router.edge.pd_flow`),
+    then the decode worker, the next best on a failed connection."""
+    pick, placer, endpoint = entry.pick, state.placer, entry.endpoint or ""
+    d = pick.decision
+    params: dict[str, Any] | None = None
+    sibling: Sibling | None = None
+    if pick.mode == REMOTE:
+        if state.settings.pd.protocol == "sglang":
+            sibling = Sibling(state, entry, fwd, t0)
+        else:
+            got = await prefill_first(state, entry, fwd, t0)
+            if isinstance(got, PrefillAnswer):
+                ctype = got.content_type.encode() if got.content_type else b"application/json"
+                hs = [(k.encode(), v.encode()) for k, v in pick_headers(pick)]
+                await out.whole(got.status, [(b"content-type", ctype), *hs], got.content)
+                return
+            params = got
+    path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
     errors: list[str] = []
-    attempts = d.order[: 1 + s.retries]
+    attempts = pick.decodes[: 1 + state.settings.proxy.retries]
+    k, reloaded = 0, False
     try:
-        for i in attempts:
-            ws = d.states[i]
-            cand = d.candidates[i]
+        while k < len(attempts):
+            dc = attempts[k]
+            ws, remote = dc.worker, pick.mode == REMOTE
             headers = fwd
             if ws.config.dp_ranks > 1:
-                headers = [*fwd, ("X-Data-Parallel-Rank", str(cand.key[1]))]
-            flight = placer.fly(d, i, "proxy", endpoint=endpoint, t0=t0)
+                headers = [*fwd, ("X-Data-Parallel-Rank", str(dc.cand.key[1]))]
+            body = entry.body
+            if remote and sibling is not None:
+                body = sibling.decode_body
+            elif remote and params:
+                body = apply(entry.body, decode_patch("nixl"), {"kv_transfer_params": params})
+            flight = placer.fly(d, dc.index, "proxy", endpoint=endpoint, t0=t0, leg=_leg(remote))
+            if remote:
+                p = pick.prefill
+                assert p is not None  # (the predicted hit of a decode leg is the prefill's)
+                flight.predicted_tokens = cached_tokens(p.cand, d.tokens, d.block_size)
+            t1 = time.perf_counter()
             try:
-                resp, content = await _exchange(state, ws.url, path, headers, body, stream=stream)
+                sent = _exchange(state, ws.url, path, headers, body, stream=entry.stream)
+                resp, content = await (sibling.race(sent) if sibling and remote else sent)
+            except SiblingFailed as e:
+                flight.done("prefill_failed")
+                sibling = None
+                if e.answer is not None:
+                    a = e.answer
+                    hs = [(k_.encode(), v.encode()) for k_, v in pick_headers(pick, dc)]
+                    ctype = a.content_type.encode() or b"application/json"
+                    await out.whole(a.status, [(b"content-type", ctype), *hs], a.content)
+                    return
+                pick.fall_back(e.cause)
+                state.metrics.pd.fell_back(e.cause)
+                continue  # (the same decode worker, prefilling itself)
             except asyncio.CancelledError:
                 flight.done("client_disconnect")
                 raise
@@ -175,6 +202,7 @@ async def proxy_request(
                 errors.append(f"{ws.id}: {reason}: {e}")
                 state.registry.mark_failure(ws.id, f"proxy: {e}", now=True)
                 state.metrics.retries.labels(ws.id, reason).inc()
+                k += 1
                 continue
             except UpstreamError as e:
                 # the worker may have the request: never send a second copy anywhere
@@ -183,15 +211,23 @@ async def proxy_request(
                 if isinstance(e, ReadTimeout):
                     raise GatewayTimeout(f"worker {ws.id}: {type(e).__name__}: {e}") from e
                 raise BadGateway(f"worker {ws.id} failed: {type(e).__name__}: {e}") from e
-            matched = str(cand.matched_blocks).encode()
+            if remote:
+                state.metrics.pd.leg("decode", time.perf_counter() - t1)
+                if resp.status_code >= 500 and not reloaded:
+                    # the decode worker refused the transfer (vLLM: KV load failed, policy
+                    # fail): it answered, so it holds no copy; once more, prefilling itself
+                    flight.done(str(resp.status_code))
+                    if sibling is not None:
+                        sibling.cancel()
+                        sibling = None
+                    reloaded = True
+                    pick.fall_back("decode_kv_load")
+                    state.metrics.pd.fell_back("decode_kv_load")
+                    continue
             out_headers: Headers = [
                 (b"content-type", _content_type(resp.header("content-type"), content)),
-                (b"x-kvrouter-worker", ws.id.encode()),
-                (b"x-kvrouter-matched-blocks", matched),
-                (b"x-kvrouter-cached-blocks", matched),  # deprecated name of the same number
+                *((k_.encode(), v.encode()) for k_, v in pick_headers(pick, dc)),
             ]
-            if ws.config.dp_ranks > 1:
-                out_headers.append((b"x-kvrouter-dp-rank", str(cand.key[1]).encode()))
             if content is None:
                 await _stream(resp, flight, out, out_headers)
                 return
@@ -203,7 +239,12 @@ async def proxy_request(
             return
         raise NoHealthyWorker(f"every worker tried failed ({'; '.join(errors)})")
     finally:
-        state.inflight -= 1
+        if sibling is not None:
+            sibling.cancel()
+
+
+def _leg(remote: bool) -> str:
+    return "decode" if remote else ""
 
 
 def _content_type(upstream: str | None, content: bytes | None) -> bytes:
@@ -216,13 +257,14 @@ def _content_type(upstream: str | None, content: bytes | None) -> bytes:
 
 async def _stream(resp: UpstreamResponse, flight: Flight, out: Responder, headers: Headers) -> None:
     status = str(resp.status_code)
+    usage = UsageScan()
     try:
         await out.start(resp.status_code, headers)
         async for chunk in resp.iter_chunks():
             if not chunk:
                 continue
             flight.first_byte()
-            flight.scan(chunk)
+            usage.feed(chunk)
             await out.chunk(chunk)
         flight.first_byte()
         await out.end()
@@ -236,6 +278,8 @@ async def _stream(resp: UpstreamResponse, flight: Flight, out: Responder, header
         out.abort()
     finally:
         await resp.aclose()  # never awaits: safe while cancelled
+        if usage.cached is not None:
+            flight.cached = usage.cached
         flight.done(status)
 
 

@@ -1,12 +1,16 @@
 """``POST /route``: the placement answer.
 
-The answer is built from msgspec Structs and encoded once. A body with ``token_ids`` is answered
-without awaiting (:func:`route_answer_now`); one with ``prompt`` or ``messages`` may wait for a
+The answer is built from msgspec Structs and encoded once: the pick (the placement core's
+:meth:`router.placement.Placer.pick`), every candidate, and for a disaggregated fleet the
+decision and each leg's patch (:func:`router.edge.legs.route_legs`), with the same
+``x-kvrouter-*`` headers as the proxy's (:func:`router.edge.door.pick_headers`). A body with
+``token_ids`` is answered without awaiting; one with ``prompt`` or ``messages`` may wait for a
 tokenizer (:func:`route_answer`).
 """
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -24,22 +28,24 @@ from router.edge.bodies import (
     encode,
     read_body,
 )
-from router.errors import (
-    BadRequest,
-    NoHealthyWorker,
-    RouterError,
-    error_json,
-    require_bearer,
-)
+from router.edge.door import authorize, pick_headers
+from router.edge.legs import route_legs
+from router.errors import BadRequest, RouterError, error_json
 from router.placement.scoring import tier_breakdown
 from router.runtime import Runtime
 
 __all__ = ["RouteEndpoint", "route_answer"]
 
+_rng = random.SystemRandom()  # SGLang bootstrap rooms
 
-async def route_answer(state: Runtime, body: bytes, t0: float | None = None) -> bytes:
-    """The JSON answer to a ``/route`` body (decoded once); raises :class:`RouterError`
-    subclasses. With ``token_ids`` it never awaits; text waits for the tokenizer."""
+
+async def route_answer(
+    state: Runtime, body: bytes, t0: float | None = None
+) -> tuple[bytes, list[tuple[str, str]]]:
+    """The JSON answer to a ``/route`` body (decoded once) and the pick's headers (the same
+    as the proxy's and the picker's: :func:`router.edge.door.pick_headers`); raises
+    :class:`RouterError` subclasses. With ``token_ids`` it never awaits; text waits for the
+    tokenizer."""
     if t0 is None:
         t0 = time.perf_counter()
     req, json_tokens = decode_route(body)
@@ -56,24 +62,33 @@ async def route_answer(state: Runtime, body: bytes, t0: float | None = None) -> 
     return _answer(state, req, tokens, t0)
 
 
-def _answer(state: Runtime, req: RouteRequest, tokens: list[int] | JsonTokens, t0: float) -> bytes:
+def _answer(
+    state: Runtime, req: RouteRequest, tokens: list[int] | JsonTokens, t0: float
+) -> tuple[bytes, list[tuple[str, str]]]:
     placer = state.placer
     d = placer.place(tokens, req.model, req.lora_name, req.cache_salt)
-    if not d.order:
-        raise NoHealthyWorker("no healthy worker for this request")
-    best = d.order[0]
-    c = d.candidates[best]
+    pick = placer.pick(d)
+    dc = pick.decode
+    best, c = dc.index, dc.cand
     route_id = None
+    p = pick.prefill
     if req.account:
-        flight = placer.fly(d, best, "route_account", t0=t0, by_events=True)
-        route_id = placer.accounts.add(flight)
+        if p is not None:  # both legs, each ended by its worker's events or the release
+            pf = placer.fly(d, p.index, "route_account", t0=t0, by_events=True, leg="prefill")
+            df = placer.fly(d, best, "route_account", t0=t0, by_events=True, leg="decode")
+            route_id = placer.accounts.add(df, pf)
+        else:
+            flight = placer.fly(d, best, "route_account", t0=t0, by_events=True)
+            route_id = placer.accounts.add(flight)
     else:
         placer.chose(d, best, "route")
+        if p is not None:
+            placer.chose(d, p.index, "route")
     breakdowns: dict[int, dict[str, int]] = {}
     out = RouteOut(
         worker_id=c.key[0],
         dp_rank=c.key[1],
-        url=d.states[best].url,
+        url=dc.worker.url,
         block_size=d.block_size,
         request_blocks=d.n,
         matched_blocks=c.matched_blocks,
@@ -96,10 +111,11 @@ def _answer(state: Runtime, req: RouteRequest, tokens: list[int] | JsonTokens, t
             for x in d.candidates
         ],
         route_id=route_id,
+        pd=route_legs(pick, state.settings.pd.protocol, _rng) if pick.disaggregated else None,
     )
     data = encode(out)
     state.metrics.route_latency.observe(time.perf_counter() - t0)
-    return data
+    return data, pick_headers(pick)
 
 
 def _breakdown(by_tier: Mapping[str, int], seen: dict[int, dict[str, int]]) -> dict[str, int]:
@@ -126,11 +142,12 @@ class RouteEndpoint:
         try:
             if s.api_keys:
                 auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-                require_bearer(auth.decode("latin-1"), s.api_keys, "/route")
+                authorize(state, auth.decode("latin-1"), "/route")
             body = await read_body(
                 Request(scope, receive), s.proxy.max_body_bytes, s.server.body_timeout_s
             )
-            answer = await route_answer(state, body)
+            answer, picked = await route_answer(state, body)
+            headers += [(k.encode(), v.encode()) for k, v in picked]
         except ClientDisconnect:
             return
         except RouterError as e:

@@ -22,6 +22,8 @@ from prometheus_client.registry import Collector
 
 from indexer.index.native import BACKENDS as NATIVE_BACKENDS
 from router.observe.family import Family as _Family
+from router.observe.pd import PdMetrics
+from router.observe.process import installed_version, register_process_metrics
 
 __all__ = [
     "RouterMetrics",
@@ -30,34 +32,6 @@ __all__ = [
     "installed_version",
     "register_process_metrics",
 ]
-
-
-def installed_version() -> str:
-    """kvrouter's installed version (build info, the OpenAPI document)."""
-    from importlib import metadata
-
-    try:
-        return metadata.version("kvrouter")
-    except metadata.PackageNotFoundError:  # run from a source tree that was not installed
-        return "unknown"
-
-
-def register_process_metrics(registry: CollectorRegistry) -> None:
-    """``process_*`` (CPU, memory, fds: prometheus_client's collector) and
-    ``kvrouter_build_info`` (version and Python, value 1) on the router's registry."""
-    import platform
-
-    from prometheus_client import Gauge, ProcessCollector
-
-    version = installed_version()
-    ProcessCollector(registry=registry)
-    info = Gauge(
-        "kvrouter_build_info",
-        "1, labelled with the running kvrouter version and Python version",
-        ["version", "python"],
-        registry=registry,
-    )
-    info.labels(version, platform.python_version()).set(1)
 
 
 _LATENCY_BUCKETS = (
@@ -347,7 +321,7 @@ class RouterMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-
+        self.pd = PdMetrics(r)  # prefill/decode disaggregation's own families
         self._families = [v for v in vars(self).values() if isinstance(v, _Family)]
 
     def child(self, metric: Any, *labels: str) -> Any:
@@ -398,3 +372,6 @@ class RouterMetrics:
     def placement_state(self, predicted_blocks: int, accounted_routes: int) -> None:
         self.predicted_blocks.set(predicted_blocks)
         self.accounted_routes.set(accounted_routes)
+
+    def pd_decided(self, decision: str, reason: str) -> None:
+        self.pd.decided(decision, reason)

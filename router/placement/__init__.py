@@ -2,16 +2,21 @@
 request's life. No I/O library is imported here (``import-linter`` holds it), so ``/route``, the
 proxy, ``kvrouter replay`` and the benchmarks all call one :class:`Placer` as it is.
 
-- ``placer``: :class:`Placer` and its :class:`Decision`;
-- ``flight``: :class:`Flight` (commit → first byte → finish), :class:`RouteAccounts`;
+- ``config``: :class:`PlacementSettings`, the settings the core reads;
+- ``placer``: :class:`Placer` and its :class:`Decision`; ``pd``: the :class:`Pick` (decode
+  worker, and a prefill worker when the prompt is prefilled elsewhere);
+- ``flight``: :class:`Flight` (commit → first byte → finish), :class:`Admission` (the in-flight
+  count), :class:`RouteAccounts`;
 - ``load``: the load ledger and its tickets; ``predict``: predicted blocks against herding;
 - ``scoring``: the cost formula, pure functions;
 - ``remote``: what peer replicas placed, applied as remote tickets (replica sync);
 - ``ports``: what the core reads and reports to, as protocols.
 """
 
-from router.placement.flight import Flight, RouteAccounts, cached_tokens_of
+from router.placement.config import PlacementSettings
+from router.placement.flight import Admission, Flight, RouteAccounts
 from router.placement.load import LoadLedger, Ticket, TicketState
+from router.placement.pd import AGGREGATED, LOCAL, REMOTE, Choice, Pick, cached_tokens
 from router.placement.placer import Decision, Placer
 from router.placement.ports import (
     NO_LISTENER,
@@ -33,8 +38,13 @@ from router.placement.remote import (
 )
 
 __all__ = [
+    "AGGREGATED",
+    "LOCAL",
     "NO_LISTENER",
     "NO_METRICS",
+    "REMOTE",
+    "Admission",
+    "Choice",
     "Decision",
     "Ended",
     "EventLog",
@@ -42,9 +52,11 @@ __all__ = [
     "FleetView",
     "Flight",
     "LoadLedger",
+    "Pick",
     "Placed",
     "PlacementListener",
     "PlacementMetrics",
+    "PlacementSettings",
     "Placer",
     "RemoteEvent",
     "RemoteTickets",
@@ -53,6 +65,6 @@ __all__ = [
     "TicketState",
     "TokenSource",
     "WorkerView",
-    "cached_tokens_of",
+    "cached_tokens",
     "placed_event",
 ]

@@ -29,41 +29,15 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-
-import msgspec
+from typing import Protocol
 
 from router.placement.load import LoadLedger, Ticket, TicketState
 from router.placement.ports import NO_LISTENER, PlacementListener, PlacementMetrics
 
-__all__ = ["PROXIED_KINDS", "Flight", "RouteAccounts", "cached_tokens_of"]
+__all__ = ["PROXIED_KINDS", "Admission", "Flight", "RouteAccounts"]
 
 #: flight kinds whose answer passes the router (in-flight, TTFB and proxied-by-status metrics)
 PROXIED_KINDS = frozenset({"proxy", "epp"})
-
-
-class _Usage(msgspec.Struct):
-    class _Details(msgspec.Struct):
-        cached_tokens: int | None = None
-
-    prompt_tokens_details: _Details | None = None
-
-
-class _WithUsage(msgspec.Struct):
-    usage: _Usage | None = None
-
-
-_decode_usage = msgspec.json.Decoder(_WithUsage).decode
-
-
-def cached_tokens_of(payload: bytes) -> int | None:
-    """``usage.prompt_tokens_details.cached_tokens`` of an OpenAI answer (or SSE chunk), if any."""
-    try:
-        u = _decode_usage(payload).usage
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None
-    if u is None or u.prompt_tokens_details is None:
-        return None
-    return u.prompt_tokens_details.cached_tokens
 
 
 class Flight:
@@ -76,6 +50,7 @@ class Flight:
         "endpoint",
         "kind",
         "ledger",
+        "leg",
         "listener",
         "matched_blocks",
         "metrics",
@@ -84,7 +59,6 @@ class Flight:
         "ticket",
         "timer",
         "ttfb_seen",
-        "usage_tail",
         "worker",
     )
 
@@ -101,8 +75,11 @@ class Flight:
         t0: float,
         timer: Callable[[], float] = time.perf_counter,
         listener: PlacementListener = NO_LISTENER,
+        leg: str = "",
     ) -> None:
         self.ledger = ledger
+        #: ``prefill`` / ``decode``: a leg of a disaggregated request; "" for a whole one
+        self.leg = leg
         self.listener = listener
         self.metrics = metrics
         self.ticket = ticket
@@ -113,7 +90,7 @@ class Flight:
         self.predicted_tokens = predicted_tokens
         self.t0 = t0
         self.timer = timer
-        self.usage_tail = b""
+        #: the cached prompt tokens the worker's answer reported (the edge reads its usage)
         self.cached: int | None = None
         self.ttfb_seen = False
         #: the placer's flights awaiting their prefill's events on this rank, this one among
@@ -151,21 +128,6 @@ class Flight:
             self.ledger.first_token(self.ticket)
             self.listener.first_token(self.ticket)
 
-    def scan(self, chunk: bytes) -> None:
-        """Find the usage chunk of an SSE stream (lines may straddle network chunks)."""
-        if not self.usage_tail and b"cached_tokens" not in chunk:
-            if b"\n" not in chunk[-1:]:
-                self.usage_tail = chunk[chunk.rfind(b"\n") + 1 :][-4096:]
-            return
-        buf = self.usage_tail + chunk
-        lines = buf.split(b"\n")
-        self.usage_tail = lines.pop()[-65536:]
-        for line in lines:
-            if line.startswith(b"data:") and b"cached_tokens" in line:
-                v = cached_tokens_of(line[5:].strip())
-                if v is not None:
-                    self.cached = v
-
     def _stop_awaiting(self) -> None:
         if self.awaiting is not None:
             self.awaiting.pop(self.ticket.id, None)
@@ -189,8 +151,29 @@ class Flight:
             m.cached_tokens(self.worker, self.predicted_tokens, self.cached)
 
 
+class Admission:
+    """One request admitted through a door (:meth:`router.placement.placer.Placer.admit`): it
+    counts in the placer's ``inflight`` until released, once."""
+
+    __slots__ = ("_placer",)
+
+    def __init__(self, placer: _Counted) -> None:
+        placer.inflight += 1
+        self._placer: _Counted | None = placer
+
+    def release(self) -> None:
+        p, self._placer = self._placer, None
+        if p is not None:
+            p.inflight -= 1
+
+
+class _Counted(Protocol):
+    inflight: int
+
+
 class RouteAccounts:
-    """``/route`` calls with ``account: true``: ``route_id`` → flight, until it ends."""
+    """``/route`` calls with ``account: true``: ``route_id`` → its flights (one, or a
+    disaggregated pick's two legs), until they end."""
 
     def __init__(
         self, ttl_s: float, max_entries: int, clock: Callable[[], float] = time.monotonic
@@ -198,37 +181,43 @@ class RouteAccounts:
         self.ttl_s = ttl_s
         self.max_entries = max_entries
         self._clock = clock
-        self._routes: OrderedDict[str, tuple[float, Flight]] = OrderedDict()
+        self._routes: OrderedDict[str, tuple[float, tuple[Flight, ...]]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._routes)
 
-    def add(self, f: Flight) -> str:
+    def add(self, *flights: Flight) -> str:
         self.expire()
         while len(self._routes) >= self.max_entries:
             _, (_, old) = self._routes.popitem(last=False)
-            old.done("evicted")
+            _end(old, "evicted")
         rid = secrets.token_hex(12)
-        self._routes[rid] = (self._clock() + self.ttl_s, f)
+        self._routes[rid] = (self._clock() + self.ttl_s, flights)
         return rid
 
     def release(self, route_id: str) -> bool:
         entry = self._routes.pop(route_id, None)
         if entry is None:
             return False
-        entry[1].done("released")
+        _end(entry[1], "released")
         return True
 
     def expire(self) -> None:
         now = self._clock()
         routes = self._routes
         while routes:
-            rid, (exp, f) = next(iter(routes.items()))
+            rid, (exp, fs) = next(iter(routes.items()))
             if exp > now:
                 break
             del routes[rid]
-            f.done("expired")
+            _end(fs, "expired")
 
     def drop_worker(self, worker_id: str) -> None:
-        for rid in [r for r, (_, f) in self._routes.items() if f.worker == worker_id]:
-            self._routes.pop(rid)[1].done("worker_removed")
+        gone = [r for r, (_, fs) in self._routes.items() if any(f.worker == worker_id for f in fs)]
+        for rid in gone:
+            _end(self._routes.pop(rid)[1], "worker_removed")
+
+
+def _end(flights: tuple[Flight, ...], status: str) -> None:
+    for f in flights:
+        f.done(status)

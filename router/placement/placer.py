@@ -2,7 +2,8 @@
 (load ticket, predicted blocks), for every front door alike — ``/route``, the OpenAI proxy and
 ``kvrouter replay`` call it as it is.
 
-It owns the load ledger, the predicted blocks and the accounted ``/route`` flights, and reads the
+It owns the load ledger, the in-flight count (``admit``), the predicted blocks and the accounted
+``/route`` flights, and reads the
 prefix index (written only by the subscriber task) and the worker table through
 :class:`router.placement.ports.FleetView`. It does no I/O and never awaits, so a decision sees one
 consistent index state; its clock, timer and random source are arguments (the event loop's in
@@ -12,6 +13,7 @@ service, a simulated one in virtual-time replay).
 the index with the predicted overlay and EXTERNAL pools, fill one
 :class:`router.placement.scoring.Candidate` per worker rank with its load and its GPU capacity
 (what the index knows the rank's KV holds), and rank them.
+``pick`` = the decode worker, and local against remote prefill (:mod:`router.placement.pd`);
 ``fly`` = commit the request on the chosen rank (account it, record its blocks as predicted there)
 and return the :class:`router.placement.flight.Flight` that ends it.
 """
@@ -25,9 +27,13 @@ from collections.abc import Callable, Mapping, Sequence
 from indexer.events import CANONICAL_TIERS
 from indexer.hashing import request_seed
 from indexer.index import PrefixIndex, WorkerMatch
-from router.errors import BadRequest
-from router.placement.flight import Flight, RouteAccounts
+from router.errors import BadRequest, TooManyRequests
+from router.placement.config import PlacementSettings
+from router.placement.decision import Decision
+from router.placement.flight import Admission, Flight, RouteAccounts
 from router.placement.load import LoadLedger, Ticket
+from router.placement.pd import Pick
+from router.placement.pd import pick as pd_pick
 from router.placement.ports import (
     NO_LISTENER,
     NO_METRICS,
@@ -39,8 +45,7 @@ from router.placement.ports import (
 )
 from router.placement.predict import PredictedBlocks
 from router.placement.remote import RemoteTickets
-from router.placement.scoring import Candidate, ScoreWeights, rank
-from router.settings import Settings
+from router.placement.scoring import Candidate, rank
 from router.types import WorkerKey
 
 __all__ = ["Decision", "Placer"]
@@ -57,36 +62,12 @@ def _no_capacity(key: WorkerKey) -> int:
     return 0
 
 
-class Decision:
-    """One placement: every candidate rank scored, ``order`` = healthy ones best first."""
-
-    __slots__ = ("block_size", "candidates", "hashes", "n", "order", "states", "tokens")
-
-    def __init__(
-        self,
-        n: int,
-        candidates: list[Candidate],
-        hashes: list[Sequence[int]],
-        order: list[int],
-        states: list[WorkerView],
-        block_size: int,
-        tokens: int,
-    ) -> None:
-        self.n = n  # request blocks (full blocks of the prompt)
-        self.tokens = tokens  # prompt length
-        self.candidates = candidates
-        self.hashes = hashes  # per candidate (one list per index namespace, shared)
-        self.order = order
-        self.states = states  # per candidate: its worker
-        self.block_size = block_size
-
-
 class Placer:
     """Places requests on worker ranks; see the module docstring."""
 
     def __init__(
         self,
-        settings: Settings,
+        config: PlacementSettings,
         index: PrefixIndex,
         fleet: FleetView,
         *,
@@ -96,7 +77,7 @@ class Placer:
         timer: Callable[[], float] = time.perf_counter,
         rng: random.Random | None = None,
     ) -> None:
-        sc = settings.scoring
+        self.config = config
         self.index = index
         self.fleet = fleet
         self.metrics = metrics
@@ -106,41 +87,39 @@ class Placer:
         self.clock = clock
         #: latencies (decision time, time to first byte)
         self.timer = timer
-        self.weights = ScoreWeights(
-            overlap_weight=sc.overlap_weight,
-            tier_weights=sc.effective_tier_weights(),
-            running_weight=sc.running_weight,
-            waiting_weight=sc.waiting_weight,
-            kv_usage_weight=sc.kv_usage_weight,
-            cache_credit=sc.cache_credit,
-            overflow_weight=sc.overflow_weight,
-            replica_spread=sc.replica_spread,
-        )
+        self.weights = config.weights
         #: (lane, replicas heard): set by replica sync; lane k > 0 takes the k-th near-best
         #: worker first (router.placement.scoring.rank)
         self.lane = (0, 1)
-        self.temperature = sc.temperature
-        self.rng = rng if rng is not None else random.Random(sc.seed)
+        self.temperature = config.temperature
+        self.rng = rng if rng is not None else random.Random(config.seed)
         self.load = LoadLedger()
+        #: requests admitted through a door and not yet ended (``config.max_inflight``)
+        self.inflight = 0
         #: per rank, the flights whose prefill has not been seen to end, by ticket id
         self._awaiting: dict[WorkerKey, dict[int, Flight]] = {}
         self.predicted = PredictedBlocks(
-            sc.predicted_ttl_s, max_blocks=sc.predicted_max_blocks, clock=clock
+            config.predicted_ttl_s, max_blocks=config.predicted_max_blocks, clock=clock
         )
-        self.accounts = RouteAccounts(
-            settings.route.account_ttl_s, settings.route.max_accounted, clock
-        )
-        rs = settings.replicas
+        self.accounts = RouteAccounts(config.account_ttl_s, config.max_accounted, clock)
         #: what the peer replicas placed (their tickets on this ledger and predictions)
         self.remote = RemoteTickets(
             self.load,
             self.predicted,
             index.slot,
-            ttl_s=rs.ticket_ttl_s,
-            max_tickets=rs.max_remote_tickets,
-            max_hashes=rs.max_hashes,
+            ttl_s=config.ticket_ttl_s,
+            max_tickets=config.max_remote_tickets,
+            max_hashes=config.max_hashes,
             clock=clock,
         )
+
+    def admit(self) -> Admission:
+        """Admit one request through a door, or raise :class:`TooManyRequests` past
+        ``max_inflight``; the door releases it once its answer has ended."""
+        limit = self.config.max_inflight
+        if self.inflight >= limit:
+            raise TooManyRequests(f"over max_inflight ({limit} requests in flight)")
+        return Admission(self)
 
     def place(
         self,
@@ -234,6 +213,28 @@ class Placer:
         self.metrics.decided(self.timer() - t0)
         return Decision(n, candidates, cand_hashes, order, cand_states, index.block_size, count)
 
+    def pick(
+        self,
+        d: Decision,
+        *,
+        allow_remote: bool = True,
+        eligible: Callable[[WorkerView], bool] | None = None,
+    ) -> Pick:
+        """The decision's pick (:mod:`router.placement.pd`): the decode worker, and a prefill
+        worker when the prompt is better prefilled there. ``allow_remote`` False: one leg on
+        the decode worker (``n > 1``, a door that cannot split); ``eligible``: the workers a
+        door may send to (Envoy's subset hint). Raises :class:`NoHealthyWorker`."""
+        p = pd_pick(
+            d,
+            pd=self.config.pd,
+            weights=self.weights,
+            allow_remote=allow_remote,
+            eligible=eligible,
+        )
+        if p.disaggregated:
+            self.metrics.pd_decided(p.mode, p.reason)
+        return p
+
     def _capacity(self, key: WorkerKey) -> int:
         """Router blocks rank ``key``'s GPU KV holds, from the capacity the worker reported to the
         index (engine blocks of its page size); 0 when not known."""
@@ -255,11 +256,17 @@ class Placer:
         ratio = c.matched_blocks / d.n if committed and d.n else None
         self.metrics.routed(c.key[0], kind, ratio)
 
-    def commit(self, d: Decision, i: int, *, kind: str) -> Ticket:
-        """Account the request on candidate ``i`` and predict its blocks there."""
+    def commit(self, d: Decision, i: int, *, kind: str, remote_prefill: bool = False) -> Ticket:
+        """Account the request on candidate ``i`` and predict its blocks there.
+        ``remote_prefill``: the decode leg of a remote pick, whose prompt another worker
+        prefills: it builds nothing here (its KV arrives by transfer), but holds it all, and
+        the worker stores what it pulled (vLLM's decode worker publishes it)."""
         c = d.candidates[i]
         hashes = d.hashes[i]
-        t = self.load.start(c.key, hashes, d.n - c.credited, c.matched_blocks)
+        if remote_prefill:
+            t = self.load.start(c.key, hashes, 0.0, len(hashes))
+        else:
+            t = self.load.start(c.key, hashes, d.n - c.credited, c.matched_blocks)
         try:
             slot = self.index.slot(c.key)
         except KeyError:
@@ -282,6 +289,7 @@ class Placer:
         endpoint: str = "",
         t0: float | None = None,
         by_events: bool = False,
+        leg: str = "",
     ) -> Flight:
         """Commit candidate ``i`` and return the flight that ends it (``t0``: when the request
         arrived, on ``timer``; now if not given). ``by_events``: the router may see no answer
@@ -306,6 +314,7 @@ class Placer:
             t0=t0,
             timer=self.timer,
             listener=self.listener,
+            leg=leg,
         )
         # its prefill is over once the rank holds what it builds (``_built``); if it already
         # does, there is nothing to see stored (a block predicted there is not held yet: a

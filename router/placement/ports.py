@@ -99,6 +99,9 @@ class PlacementMetrics(Protocol):
 
     def placement_state(self, predicted_blocks: int, accounted_routes: int) -> None: ...
 
+    def pd_decided(self, decision: str, reason: str) -> None:
+        """A disaggregated fleet's pick: ``local`` or ``remote``, and why."""
+
 
 class NoMetrics:
     """Metrics that go nowhere: the replay and the benchmarks."""
@@ -125,6 +128,9 @@ class NoMetrics:
         pass
 
     def placement_state(self, predicted_blocks: int, accounted_routes: int) -> None:
+        pass
+
+    def pd_decided(self, decision: str, reason: str) -> None:
         pass
 
 

@@ -35,7 +35,7 @@ from router.observe.metrics import (
     register_process_metrics,
 )
 from router.observe.replicas import ReplicaCollector
-from router.placement import Placer
+from router.placement import PlacementSettings, Placer
 from router.runtime.memory import default_index_cap
 from router.runtime.replicas import ReplicaSync, WarmIndex
 from router.runtime.tokenize import Tokenizer, byte_tokenizer_warning, make_tokenizer
@@ -122,7 +122,13 @@ class Runtime:
         )
         self.prom = CollectorRegistry(auto_describe=True)
         self.metrics = RouterMetrics(self.prom)
-        self.placer = Placer(settings, self.index, self.registry, metrics=self.metrics, clock=clock)
+        self.placer = Placer(
+            PlacementSettings.of(settings),
+            self.index,
+            self.registry,
+            metrics=self.metrics,
+            clock=clock,
+        )
         self.subscriber = Subscriber(
             self.index,
             replay_timeout=settings.subscriber.replay_timeout_s,
@@ -148,7 +154,6 @@ class Runtime:
         self.tokenizer: Tokenizer = make_tokenizer(
             settings.tokenizer, client=self.upstream, pick=self.pick_tokenize_worker
         )
-        self.inflight = 0  # proxied requests in flight (proxy.max_inflight)
         self.started_at = time.time()
 
     # ------------------------------------------------------------------ workers

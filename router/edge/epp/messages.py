@@ -26,16 +26,22 @@ from functools import lru_cache
 from urllib.parse import urlsplit
 
 from envoy.config.core.v3.base_pb2 import HeaderValueOption, Metadata
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3.external_processor_pb2 import (
     HeaderMutation,
     HeadersResponse,
     HttpHeaders,
+    ProcessingRequest,
     ProcessingResponse,
     TrailersResponse,
 )
 from google.protobuf.struct_pb2 import Struct
 
+from router.edge.epp.errors import Unsupported
 from router.errors import error_json
+
+_FULL_DUPLEX = ProcessingMode.FULL_DUPLEX_STREAMED
+_NO_BODY = ProcessingMode.NONE
 
 __all__ = [
     "DESTINATION",
@@ -45,11 +51,13 @@ __all__ = [
     "SUBSET_NS",
     "Reply",
     "body_chunk",
+    "check_modes",
     "endpoint_of",
     "header_map",
     "headers_reply",
     "immediate",
     "in_subset",
+    "phase",
     "picked",
     "served_endpoint",
     "subset_hint",
@@ -223,3 +231,22 @@ def immediate(status: int, message: str, type_: str, set_headers: Headers = ()) 
     im.body = error_json(message, type_)
     im.details = f"kvrouter_epp_{status}"
     return r.SerializeToString()
+
+
+def phase(m: ProcessingRequest) -> str:
+    return m.WhichOneof("request") or "a message of no phase"
+
+
+def check_modes(first: ProcessingRequest) -> bool:
+    """The body modes Envoy says it runs with (newer Envoys send them on the first message):
+    the picker holds the request headers' answer until the body's end, which only the full
+    duplex mode allows; the answer's body may also not be sent at all (True: then the picker
+    sees the answer's head and its end, and reads no usage)."""
+    pc = first.protocol_config
+    if pc.request_body_mode != _FULL_DUPLEX:
+        name = ProcessingMode.BodySendMode.Name(pc.request_body_mode)
+        raise Unsupported(f"request_body_mode {name}: the picker needs FULL_DUPLEX_STREAMED")
+    if pc.response_body_mode not in (_FULL_DUPLEX, _NO_BODY):
+        name = ProcessingMode.BodySendMode.Name(pc.response_body_mode)
+        raise Unsupported(f"response_body_mode {name}: the picker needs FULL_DUPLEX_STREAMED")
+    return pc.response_body_mode == _NO_BODY

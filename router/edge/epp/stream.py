@@ -1,34 +1,26 @@
 """One ext_proc stream of the endpoint picker: one HTTP request that Envoy forwards, from its
-headers to the end of its answer (:class:`EppStream`).
-
-Envoy's ext_proc filter runs with ``request_body_mode`` and ``response_body_mode``
-``FULL_DUPLEX_STREAMED`` (headers and trailers ``SEND``): it sends the request headers, the body
-in chunks, maybe trailers, and holds the request until the picker answers them all.
+headers to the end of its answer (:class:`EppStream`). Envoy runs ext_proc with both body modes
+``FULL_DUPLEX_STREAMED`` (headers and trailers ``SEND``) and holds the request until the picker
+has answered all of it.
 
 - request phase (at most ``epp.stream_timeout_s``, else 408): the body is buffered, at most
-  ``proxy.max_body_bytes`` (else 413). At its end (or at once for a bodiless request) the request
-  is placed: a completions or chat body is decoded as the proxy decodes it (same tokenizer, model,
-  LoRA, cache salt; a bad one 400/422), any other path by load alone; the API keys, when
-  configured, are checked (401) and never reach the worker; past ``proxy.max_inflight`` 429, an
-  unknown model 404, no eligible worker (in Envoy's subset hint, when given) 503. Any of these is
-  an ``ImmediateResponse``. Then, in order: the request headers' answer (the pick), the body
-  echoed chunk by chunk, unchanged, and the trailers' answer when trailers came;
-- response phase: every body chunk is passed back at once, unchanged; the flight's first byte is
-  the answer's first body byte (what the proxy times: a worker sends its head before the first
-  token), and the usage of the answer (SSE chunk or whole JSON) is read for its cached tokens.
-  With ``response_body_mode: NONE`` (Envoy says so in its first message's ``protocol_config``)
-  no chunk comes: the answer's head stands for its first byte (a worker that sends its head
-  with the first token, as the bundled engine does, makes that exact), no usage is read, and
-  the stream's end — Envoy closes or resets it when the answer is done, as long as its
-  ``response_trailer_mode`` is ``SEND`` (``kvrouter.gateway.answer_head_only``) — ends the flight
-  with the head's status (a client leaving mid-answer looks the same). The light way to run the
-  picker: no answer byte crosses gRPC.
+  ``proxy.max_body_bytes`` (else 413), then the request goes through the front door
+  (:mod:`router.edge.door`, as the proxy's: keys 401, ``proxy.max_inflight`` 429, a bad body
+  400/422, an unknown model 404, no eligible worker in Envoy's subset hint 503, each an
+  ``ImmediateResponse``; a path with no prompt is placed by load). Then: the pick (the decode
+  worker; for a remote pick ``x-prefiller-host-port`` names the prefill worker, for llm-d's
+  routing sidecar), the body echoed unchanged, the trailers' answer when trailers came;
+- response phase: every body chunk passes back at once, unchanged; the first body byte is the
+  flight's first byte, and the answer's usage is read for its cached tokens. With
+  ``response_body_mode: NONE`` only the head comes: it stands for the first byte, no usage is
+  read, and the stream's end (Envoy closes or resets it after the answer, with
+  ``response_trailer_mode: SEND``: ``kvrouter.gateway.answer_head_only``) ends the flight with
+  the head's status: no answer byte crosses gRPC.
 
-The placement is a :class:`router.placement.Flight` of kind ``epp``: it counts in
-``proxy.max_inflight`` and the proxy's in-flight, TTFB and proxied metrics. It ends exactly once:
-with the answer's end (its status), or when the stream ends first — Envoy reset it, went away,
-the server stopped (``client_disconnect``) — or broke the protocol (``protocol_error``). One
-access-log line per stream, as the HTTP server writes one per request.
+The placement is a :class:`router.placement.Flight` of kind ``epp`` (a remote pick: one per
+leg), counted like the proxy's. It ends exactly once: with the answer's end (its status), or
+with the stream — Envoy reset it or went away, the server stopped (``client_disconnect``) — or a
+protocol break (``protocol_error``). One access-log line per stream.
 """
 
 from __future__ import annotations
@@ -38,34 +30,34 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 
-from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
 
 from router.edge.access import request_id, write_access
-from router.edge.epp.errors import ProtocolError, Unsupported
+from router.edge.door import enter, pick_headers
+from router.edge.epp.errors import ProtocolError
 from router.edge.epp.messages import (
     Reply,
     body_chunk,
+    check_modes,
     endpoint_of,
     header_map,
     headers_reply,
     immediate,
     in_subset,
+    phase,
     picked,
     served_endpoint,
     subset_hint,
     trailers_reply,
 )
-from router.edge.proxy import request_tokens
+from router.edge.usage import UsageScan, cached_tokens_of
 from router.errors import (
-    NoHealthyWorker,
     PayloadTooLarge,
     RequestTimeout,
     RouterError,
     TooManyRequests,
-    require_bearer,
 )
-from router.placement import Flight, cached_tokens_of
+from router.placement import Admission, Flight, WorkerView
 from router.runtime import Runtime
 
 __all__ = ["EppStream", "Read", "Write"]
@@ -84,8 +76,8 @@ _WHOLE_MAX = 1 << 20
 #: the only headers the picker reads (of the request, of the answer)
 _REQUEST_HEADERS = frozenset({":method", ":path", "x-request-id", "authorization"})
 _RESPONSE_HEADERS = frozenset({":status", "content-type"})
-_STREAMED = ProcessingMode.FULL_DUPLEX_STREAMED
-_NO_BODY = ProcessingMode.NONE
+#: llm-d's routing sidecar on a decode worker prefills there first (its pd-sidecar protocol)
+PREFILLER_HEADER = "x-prefiller-host-port"
 
 
 class EppStream:
@@ -106,6 +98,11 @@ class EppStream:
         self.nbytes = 0  # answer body bytes
         self.ttfb: float | None = None
         self.flight: Flight | None = None
+        #: a remote pick's prefill leg, which the decode worker's sidecar sends: over once
+        #: the decode worker's first byte came
+        self.prefill_flight: Flight | None = None
+        self.admission: Admission | None = None
+        self.usage = UsageScan()
         self.answer_headers: list[tuple[str, str]] = []
         self.by_endpoint: dict[str, str] = {}  # picked endpoint -> worker id
         self.sse = False
@@ -171,9 +168,9 @@ class EppStream:
         if first is None:
             return None  # gone before a word
         if first.WhichOneof("request") != "request_headers":
-            raise ProtocolError(f"{_phase(first)} before request_headers")
+            raise ProtocolError(f"{phase(first)} before request_headers")
         if first.HasField("protocol_config"):
-            self.head_only = _check_modes(first)
+            self.head_only = check_modes(first)
         headers = header_map(first.request_headers, _REQUEST_HEADERS)
         self.method, self.path = headers.get(":method", ""), headers.get(":path", "")
         given = headers.get("x-request-id")
@@ -204,7 +201,7 @@ class EppStream:
             elif kind == "request_trailers":
                 trailers = done = True  # (a body that ends with trailers has no end_of_stream)
             else:
-                raise ProtocolError(f"{_phase(m)} before the end of the request")
+                raise ProtocolError(f"{phase(m)} before the end of the request")
         return headers, subset, chunks, None if bodiless else size, trailers, new_id
 
     async def _pick(
@@ -235,55 +232,62 @@ class EppStream:
     async def _place(
         self, headers: dict[str, str], body: bytes, subset: frozenset[str] | None
     ) -> tuple[list[str], list[tuple[str, str]], list[str]]:
-        """Pick and commit a worker: (its endpoint then any fallbacks, headers to set, headers to
-        remove). Raises :class:`RouterError` for the client's answer."""
+        """Pick and commit a worker through the front door: (its endpoint then any fallbacks,
+        headers to set, headers to remove). Raises :class:`RouterError` for the client's
+        answer. A remote pick goes to the decode worker with ``x-prefiller-host-port`` naming
+        the prefill worker, as llm-d's routing sidecar on the decode worker expects."""
         state = self.state
         s = state.settings
-        remove = ["x-data-parallel-rank"]  # only the picker says which rank serves it
-        if s.api_keys:  # the router's own client keys: checked here, never passed to a worker
-            require_bearer(headers.get("authorization"), s.api_keys, "the OpenAI endpoints")
+        # only the picker says which rank serves it and which worker prefills it
+        remove = ["x-data-parallel-rank", PREFILLER_HEADER]
+        if s.api_keys:  # the router's own client keys: never passed to a worker
             remove.append("authorization")
-        if state.inflight >= s.proxy.max_inflight:
-            raise TooManyRequests(f"over max_inflight ({s.proxy.max_inflight} requests in flight)")
-        placer = state.placer
+
+        def eligible(ws: WorkerView) -> bool:  # (Envoy's subset hint, when it gives one)
+            return subset is None or in_subset(endpoint_of(ws.url), subset)
+
         endpoint = _ENDPOINTS.get(self.path.partition("?")[0])
-        if endpoint is not None:
-            req, tokens, _ = await request_tokens(state, endpoint, body)
-            d = placer.place(tokens, req.model, req.lora_name, req.cache_salt)
-        else:  # (a GET /v1/models, an embedding...): no prompt to match, the load decides
-            d = placer.place((), None)
+        auth = headers.get("authorization")
+        entry = await enter(state, endpoint, body, auth, eligible=eligible)
+        self.admission = entry.admission
+        pick = entry.pick
+        d = pick.decision
         # the pick, then up to epp.fallbacks other endpoints, best first (only the pick is
         # committed); endpoints are read only as far as needed (a fleet may be large)
         endpoints: list[str] = []
-        i = -1
-        for j in d.order:
-            e = endpoint_of(d.states[j].url)
-            if (subset is not None and not in_subset(e, subset)) or e in self.by_endpoint:
+        for c in pick.decodes:
+            ep = endpoint_of(c.worker.url)
+            if ep in self.by_endpoint:
                 continue
-            if not endpoints:
-                i = j
-            endpoints.append(e)
-            self.by_endpoint[e] = d.states[j].id
+            endpoints.append(ep)
+            self.by_endpoint[ep] = c.worker.id
             if len(endpoints) > s.epp.fallbacks:
                 break
-        if not endpoints:
-            where = " in the endpoint subset" if subset is not None else ""
-            raise NoHealthyWorker(f"no healthy worker{where} for this request")
-        ws, cand = d.states[i], d.candidates[i]
+        dc = pick.decode
+        ws, cand = dc.worker, dc.cand
         more: list[tuple[str, str]] = []
         self.worker = ws.id
-        self.answer_headers += [
-            ("x-kvrouter-worker", ws.id),
-            ("x-kvrouter-matched-blocks", str(cand.matched_blocks)),
-        ]
+        self.answer_headers += pick_headers(pick)
         if ws.config.dp_ranks > 1:
             more.append(("x-data-parallel-rank", str(cand.key[1])))
             remove.remove("x-data-parallel-rank")
-            self.answer_headers.append(("x-kvrouter-dp-rank", str(cand.key[1])))
-        self.flight = placer.fly(
-            d, i, "epp", endpoint=endpoint or "other", t0=self.t0, by_events=self.head_only
+        kind, where = "epp", endpoint or "other"
+        p = pick.prefill
+        if p is not None:
+            more.append((PREFILLER_HEADER, endpoint_of(p.worker.url)))
+            remove.remove(PREFILLER_HEADER)
+            self.prefill_flight = state.placer.fly(
+                d, p.index, kind, endpoint=where, t0=self.t0, by_events=True, leg="prefill"
+            )
+        self.flight = state.placer.fly(
+            d,
+            dc.index,
+            kind,
+            endpoint=where,
+            t0=self.t0,
+            by_events=self.head_only,
+            leg="decode" if p is not None else "",
         )
-        state.inflight += 1
         return endpoints, more, remove
 
     async def _refuse(self, e: RouterError) -> None:
@@ -324,6 +328,7 @@ class EppStream:
                     # before it has begun (Flight.head)
                     self.ttfb = time.perf_counter() - self.t0
                     flight.head()
+                    self._prefilled()
                     self.ending = str(self.status)
                 await self.write(headers_reply(request=False, set_headers=self.answer_headers))
                 if m.response_headers.end_of_stream:
@@ -341,7 +346,7 @@ class EppStream:
                 return self._complete()
             else:
                 where = "after the answer's head" if self.status else "before the answer's head"
-                raise ProtocolError(f"{_phase(m)} {where}")
+                raise ProtocolError(f"{phase(m)} {where}")
 
     def _served(self, m: ProcessingRequest) -> None:
         """The worker that answered, for the access log (a fallback may have; the flight stays
@@ -354,9 +359,10 @@ class EppStream:
         if self.ttfb is None:
             self.ttfb = time.perf_counter() - self.t0
             flight.first_byte()
+            self._prefilled()
         self.nbytes += len(data)
         if self.sse:
-            flight.scan(data)
+            self.usage.feed(data)
         elif self.whole is not None:
             if len(self.whole) + len(data) > _WHOLE_MAX:
                 self.whole = None
@@ -369,31 +375,25 @@ class EppStream:
         flight.first_byte()  # (an answer without a body: its end is its first byte)
         if self.whole:
             flight.cached = cached_tokens_of(bytes(self.whole))
+        elif self.usage.cached is not None:
+            flight.cached = self.usage.cached
         self.ending = str(self.status)
         self._end(self.ending)
 
+    def _prefilled(self) -> None:
+        """The decode worker answered: a remote prefill is over (its worker's events may end
+        its flight sooner; in head-only mode the head comes before it, so only they do)."""
+        pf = self.prefill_flight
+        if pf is not None and not self.head_only:
+            self.prefill_flight = None
+            pf.first_byte()
+            pf.done("prefilled")
+
     def _end(self, status: str) -> None:
-        """End the flight (once: it keeps the in-flight count with it)."""
-        flight, self.flight = self.flight, None
-        if flight is not None:
-            self.state.inflight -= 1
-            flight.done(status)
-
-
-def _phase(m: ProcessingRequest) -> str:
-    return m.WhichOneof("request") or "a message of no phase"
-
-
-def _check_modes(first: ProcessingRequest) -> bool:
-    """The body modes Envoy says it runs with (newer Envoys send them on the first message):
-    the picker holds the request headers' answer until the body's end, which only the full
-    duplex mode allows; the answer's body may also not be sent at all (True: then the picker
-    sees the answer's head and its end, and reads no usage)."""
-    pc = first.protocol_config
-    if pc.request_body_mode != _STREAMED:
-        name = ProcessingMode.BodySendMode.Name(pc.request_body_mode)
-        raise Unsupported(f"request_body_mode {name}: the picker needs FULL_DUPLEX_STREAMED")
-    if pc.response_body_mode not in (_STREAMED, _NO_BODY):
-        name = ProcessingMode.BodySendMode.Name(pc.response_body_mode)
-        raise Unsupported(f"response_body_mode {name}: the picker needs FULL_DUPLEX_STREAMED")
-    return pc.response_body_mode == _NO_BODY
+        """End the flights and the admission (once: ``done`` and ``release`` are idempotent)."""
+        for f in (self.flight, self.prefill_flight):
+            if f is not None:
+                f.done(status)
+        self.flight = self.prefill_flight = None
+        if self.admission is not None:
+            self.admission.release()

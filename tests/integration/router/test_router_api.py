@@ -79,7 +79,7 @@ async def test_dead_worker_retry_then_503_never_hang(workers, router, http):
     resp = await http.post(r.url + "/route", json={"prompt": "y"})
     err(resp, 503)
     assert time.monotonic() - t0 < 15
-    assert r.state.inflight == 0
+    assert r.state.placer.inflight == 0
     text = (await http.get(r.url + "/metrics")).text
     assert 'kvrouter_proxy_retries_total{reason="ConnectError",worker="a"} 1.0' in text
     assert 'kvrouter_worker_healthy{worker="a"} 0.0' in text
@@ -105,7 +105,7 @@ async def test_max_inflight_answers_429(workers, router, http):
         await slow
     except asyncio.CancelledError:
         pass
-    await wait_for(lambda: r.state.inflight == 0, 20, "slot freed")
+    await wait_for(lambda: r.state.placer.inflight == 0, 20, "slot freed")
 
 
 async def test_ready_only_after_replay(workers, router, http):

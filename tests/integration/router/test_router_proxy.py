@@ -100,7 +100,7 @@ async def test_openai_client_completions_and_chat_streaming_and_not(workers, rou
     assert metric(text, "kvrouter_cached_tokens_predicted_total", worker=first) >= 36 * 16
     assert metric(text, "kvrouter_proxied_requests_total") == 4
     assert metric(text, "kvrouter_inflight_requests") == 0
-    assert r.state.inflight == 0
+    assert r.state.placer.inflight == 0
 
 
 @SERVES
@@ -119,7 +119,7 @@ async def test_client_disconnect_mid_stream_cancels_upstream(workers, router, se
     # leaving the block closed the connection: the worker's generator must be cancelled
     await wait_for(lambda: a.cancelled == 1, 20, "upstream cancelled")
     assert a.completed == 0
-    await wait_for(lambda: r.state.inflight == 0, 10, "router released the request")
+    await wait_for(lambda: r.state.placer.inflight == 0, 10, "router released the request")
     assert r.state.placer.load.get(("a", 0)) is None
 
 
@@ -136,4 +136,4 @@ async def test_client_disconnect_before_first_byte_cancels_upstream(workers, rou
         except asyncio.CancelledError:
             pass
     await wait_for(lambda: a.cancelled == 1, 20, "upstream cancelled")
-    await wait_for(lambda: r.state.inflight == 0, 10, "router released the request")
+    await wait_for(lambda: r.state.placer.inflight == 0, 10, "router released the request")

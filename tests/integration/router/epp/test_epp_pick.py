@@ -23,7 +23,7 @@ def completion(prompt: str, **extra: object) -> bytes:
 
 async def idle(r, *names: str) -> None:
     """Every flight ended: nothing in flight, no load ticket left on any worker."""
-    await wait_for(lambda: r.state.inflight == 0, 10, "no request in flight")
+    await wait_for(lambda: r.state.placer.inflight == 0, 10, "no request in flight")
     for n in names:
         assert r.state.placer.load.inflight(n) == 0
 
@@ -47,7 +47,7 @@ async def test_pick_sets_the_endpoint_header_metadata_and_clears_the_route_cache
     assert "x-request-id" not in p.set_headers  # the client's own id is kept as it is
     assert "x-data-parallel-rank" in p.removed  # one rank per worker: no client's say
     assert p.body == body and p.trailers is None
-    assert r.state.inflight == 1 and r.state.placer.load.inflight(ends[picked]) == 1
+    assert r.state.placer.inflight == 1 and r.state.placer.load.inflight(ends[picked]) == 1
 
     status, answer, echoes = await p.forward(http, "/v1/completions", body, JSON)
     assert status == 200 and json.loads(answer)["choices"][0]["text"] == "tok tok tok tok"
@@ -157,7 +157,7 @@ async def test_fallbacks_follow_the_pick_in_the_metadata_only(workers, epp):
     assert {primary, fallback} == both  # two workers: one fallback, never the pick twice
     # the header holds the pick alone: Envoy's ORIGINAL_DST cluster reads one ip:port there
     assert p.endpoint == primary
-    assert r.state.inflight == 1  # only the pick is committed
+    assert r.state.placer.inflight == 1  # only the pick is committed
     p.call.cancel()
     await idle(r, "a", "b")
 
@@ -186,4 +186,4 @@ async def test_a_data_parallel_worker_gets_the_rank_header(workers, epp, http):
         ranks.add(p.set_headers["x-data-parallel-rank"])
         assert "x-data-parallel-rank" not in p.removed
     assert ranks == {"0", "1"}
-    assert r.state.inflight == 2
+    assert r.state.placer.inflight == 2

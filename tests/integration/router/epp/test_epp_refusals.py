@@ -44,7 +44,7 @@ async def test_a_bad_body_is_400_an_unknown_model_404(workers, epp, http):
     assert status == 400 and "messages" in err["message"]
     status, err = error_of(await envoy.pick("/v1/completions", completion("x", model="nope")))
     assert status == 404 and err["type"] == "not_found_error"
-    assert r.state.inflight == 0 and not a.requests
+    assert r.state.placer.inflight == 0 and not a.requests
     text = (await http.get(r.url + "/metrics")).text
     assert metric(text, "kvrouter_rejected_requests_total", status="400") == 2
 
@@ -58,7 +58,7 @@ async def test_the_api_keys_are_checked_and_never_reach_the_worker(workers, epp)
     p = await envoy.pick("/v1/completions", completion("x"), headers=auth)
     assert p.endpoint == endpoint_of(a.url) and "authorization" in p.removed
     p.call.cancel()
-    await wait_for(lambda: r.state.inflight == 0, 10)
+    await wait_for(lambda: r.state.placer.inflight == 0, 10)
 
 
 async def test_past_max_inflight_is_429_until_a_flight_ends(workers, epp):
@@ -70,7 +70,7 @@ async def test_past_max_inflight_is_429_until_a_flight_ends(workers, epp):
     assert status == 429 and err["type"] == "rate_limit_error"
     await held.call.write(headers_request([(":status", "200")], end=True, response=True))
     await held.call.read()
-    await wait_for(lambda: r.state.inflight == 0, 10)
+    await wait_for(lambda: r.state.placer.inflight == 0, 10)
     again = await envoy.pick("/v1/completions", completion("three"))
     assert again.immediate is None
     again.call.cancel()
@@ -85,7 +85,7 @@ async def test_an_oversized_body_is_413_and_a_slow_one_408(workers, epp):
     await call.write(headers_request([(":method", "POST"), (":path", "/v1/completions")]))
     first = await asyncio.wait_for(call.read(), 10)
     assert first.immediate_response.status.code == 408
-    assert r.state.inflight == 0 and r.state.placer.load.inflight("a") == 0
+    assert r.state.placer.inflight == 0 and r.state.placer.load.inflight("a") == 0
 
 
 async def test_past_max_streams_is_429(workers, epp):
@@ -132,7 +132,7 @@ async def test_a_phase_after_the_pick_out_of_order_ends_the_flight(workers, epp,
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await p.call.read()
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    await wait_for(lambda: r.state.inflight == 0, 10)
+    await wait_for(lambda: r.state.placer.inflight == 0, 10)
     assert r.state.placer.load.inflight("a") == 0
     text = (await http.get(r.url + "/metrics")).text
     labels = {"worker": "a", "status": "protocol_error"}
@@ -177,7 +177,7 @@ async def test_a_reset_mid_body_leaves_nothing_behind(workers, epp):
     await wait_for(lambda: _streams(r) == 1, 10, "the stream served")
     call.cancel()
     await wait_for(lambda: _streams(r) == 0, 10, "the stream ended")
-    assert r.state.inflight == 0 and not r.state.placer.load.items()
+    assert r.state.placer.inflight == 0 and not r.state.placer.load.items()
 
 
 async def test_a_reset_mid_response_ends_the_flight_once(workers, epp, http):
@@ -194,7 +194,7 @@ async def test_a_reset_mid_response_ends_the_flight_once(workers, epp, http):
             await p.call.read()
             break
         p.call.cancel()  # Envoy resets the stream mid-answer
-    await wait_for(lambda: r.state.inflight == 0, 10, "the flight ended")
+    await wait_for(lambda: r.state.placer.inflight == 0, 10, "the flight ended")
     assert r.state.placer.load.inflight("a") == 0 and not r.state.placer.load.items()
     text = (await http.get(r.url + "/metrics")).text
     labels = {"worker": "a", "status": "client_disconnect"}
@@ -234,7 +234,7 @@ async def test_with_the_answer_s_body_off_its_head_is_the_first_byte_its_close_t
     await wait_for(lambda: load.inflight_prefill == 0, 10, "the prefill ended by the events")
     assert r.state.placer.load.inflight("a") == 1
     await call.done_writing()  # Envoy closes its side at the answer's end
-    await wait_for(lambda: r.state.inflight == 0, 10, "the flight ended")
+    await wait_for(lambda: r.state.placer.inflight == 0, 10, "the flight ended")
     text = (await http.get(r.url + "/metrics")).text
     assert metric(text, "kvrouter_proxied_requests_total", worker="a", status="200") == 1
     assert metric(text, "kvrouter_proxied_requests_total", worker="a") == 1

@@ -55,7 +55,7 @@ async def test_one_access_line_per_stream(workers, epp, caplog):
     p = await envoy.pick("/v1/completions?x=1", body, headers=[("x-request-id", "rq-42")])
     await p.call.write(headers_request([(":status", "200")], end=True, response=True))
     await p.call.read()
-    await wait_for(lambda: r.state.inflight == 0, 10)
+    await wait_for(lambda: r.state.placer.inflight == 0, 10)
     await wait_for(lambda: any(x.name == "kvrouter.access" for x in caplog.records), 10, "line")
     lines = [x for x in caplog.records if x.name == "kvrouter.access"]
     assert len(lines) == 1
@@ -82,7 +82,7 @@ async def test_tls_round_trip(workers, epp, cert):
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         await plain.aclose()
-    await wait_for(lambda: r.state.inflight == 0, 10)
+    await wait_for(lambda: r.state.placer.inflight == 0, 10)
 
 
 LISTENING = re.compile(rb"kvrouter router listening on http://127\.0\.0\.1:(\d+)")
@@ -164,9 +164,9 @@ async def test_a_stop_ends_the_open_streams_flights(workers, epp):
     r, envoy = await epp([a], epp={"shutdown_grace_s": 0.2})
     body = json.dumps({"model": "fake-model", "prompt": "held"}).encode()
     p = await envoy.pick("/v1/completions", body)  # picked; the answer never comes
-    assert r.state.inflight == 1 and r.state.placer.load.inflight("a") == 1
+    assert r.state.placer.inflight == 1 and r.state.placer.load.inflight("a") == 1
     await r.server.stop()  # the lifespan stops the EPP: grace, then the stream is cancelled
-    assert r.state.inflight == 0 and not r.state.placer.load.items()
+    assert r.state.placer.inflight == 0 and not r.state.placer.load.items()
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await p.call.read()
     assert e.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)

@@ -9,9 +9,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from indexer.events import BlockRemoved, BlockStored
 from indexer.index import PrefixIndex
+from router.edge.usage import cached_tokens_of
 from router.fleet.registry import Registry
 from router.observe.metrics import RouterMetrics
-from router.placement import Flight, Placer, RouteAccounts, cached_tokens_of
+from router.placement import Flight, PlacementSettings, Placer, RouteAccounts
 from router.settings import WorkerConfig, load_settings
 
 
@@ -37,7 +38,11 @@ class Placed:
             fleet.add(cfg)  # never dialled
             index.add_worker(wid, 0, model="")
         self.placer = Placer(
-            settings, index, fleet, metrics=RouterMetrics(self.prom), clock=self.clock
+            PlacementSettings.of(settings),
+            index,
+            fleet,
+            metrics=RouterMetrics(self.prom),
+            clock=self.clock,
         )
         self.load = self.placer.load
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from indexer.events import BlockStored
 from indexer.index import PrefixIndex
 from router.fleet.registry import Registry
-from router.placement import NO_METRICS, Placer, TicketState
+from router.placement import NO_METRICS, PlacementSettings, Placer, TicketState
 from router.settings import WorkerConfig, load_settings
 
 BS = 16
@@ -28,7 +28,9 @@ def build(workers: tuple[str, ...] = ("a", "b", "c")) -> tuple[Placer, Clock]:
     for wid in workers:
         fleet.add(WorkerConfig(id=wid, url=f"http://{wid}.invalid", events_endpoint="tcp://x:1"))
         index.add_worker(wid, 0)
-    return Placer(settings, index, fleet, metrics=NO_METRICS, clock=clock), clock
+    return Placer(
+        PlacementSettings.of(settings), index, fleet, metrics=NO_METRICS, clock=clock
+    ), clock
 
 
 def store(placer: Placer, worker: str, tokens: list[int]) -> None:

@@ -12,6 +12,7 @@ from router.placement import (
     EventLog,
     FirstToken,
     Placed,
+    PlacementSettings,
     Placer,
     TicketState,
     placed_event,
@@ -39,7 +40,7 @@ def build(clock: Clock, **replicas: object) -> Placer:
     for wid in WORKERS:
         fleet.add(WorkerConfig(id=wid, url=f"http://{wid}.invalid", events_endpoint="tcp://x:1"))
         index.add_worker(wid, 0)
-    return Placer(settings, index, fleet, clock=clock)
+    return Placer(PlacementSettings.of(settings), index, fleet, clock=clock)
 
 
 def pair(**replicas: object) -> tuple[Placer, Placer, EventLog, Clock]:

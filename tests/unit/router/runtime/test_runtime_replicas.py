@@ -13,7 +13,7 @@ import pytest
 
 from indexer.index import PrefixIndex
 from router.fleet.registry import Registry
-from router.placement import Ended, Placed, Placer
+from router.placement import Ended, Placed, PlacementSettings, Placer
 from router.runtime.replicas import ReplicaSync, SyncBindError
 from router.runtime.replicas.wire import MAX_EVENTS, VERSION, SyncMessage, encode
 from router.settings import ReplicaSettings, WorkerConfig, load_settings
@@ -39,7 +39,7 @@ def placer(clock: Callable[[], float], **replicas: object) -> Placer:
     for wid in ("a", "b"):
         fleet.add(WorkerConfig(id=wid, url=f"http://{wid}.invalid", events_endpoint="tcp://x:1"))
         index.add_worker(wid, 0)
-    return Placer(settings, index, fleet, clock=clock)
+    return Placer(PlacementSettings.of(settings), index, fleet, clock=clock)
 
 
 def sync(clock: Callable[[], float], **replicas: object) -> ReplicaSync:

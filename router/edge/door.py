@@ -1,0 +1,141 @@
+"""The one front door of the router's three ways in (docs/architecture.md §10): the OpenAI proxy,
+the Envoy endpoint picker and ``POST /route`` all go through here, so a request gets the same
+checks, the same pick and the same ``x-kvrouter-*`` headers whichever way it came.
+
+- :func:`authorize`: the router's own client keys (never forwarded to a worker);
+- :func:`request_tokens`: an OpenAI body decoded (400/422 for a bad one, 400 for a client that
+  tries to steer a KV transfer) and its prompt tokens;
+- :func:`enter`: admit (the placement core's in-flight count, 429 past ``proxy.max_inflight``),
+  decode, place and pick (503 when no worker can take it), as an :class:`Entry`;
+- :func:`pick_headers`: what a pick says to the client.
+
+The door decides nothing itself: the placement core's :meth:`router.placement.Placer.pick` does;
+each door then executes the pick (the proxy's legs: :mod:`router.edge.pd_flow`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from router.edge.bodies import (
+    ChatBody,
+    CompletionBody,
+    check_messages,
+    completion_tokens_source,
+    decode,
+)
+from router.edge.legs import check_unsteered
+from router.errors import BadRequest, require_bearer
+from router.placement import Admission, Choice, Pick, WorkerView
+from router.runtime import Runtime
+
+__all__ = ["Entry", "authorize", "enter", "pick_headers", "request_tokens"]
+
+
+def authorize(state: Runtime, authorization: str | None, what: str) -> None:
+    """401 unless ``authorization`` carries one of the router's client keys (when set)."""
+    keys = state.settings.api_keys
+    if keys:
+        require_bearer(authorization, keys, what)
+
+
+async def request_tokens(state: Runtime, endpoint: str, body: bytes) -> tuple[Any, list[int], bool]:
+    """A completions or chat body (``endpoint``) decoded, its prompt tokens and whether it
+    streams; raises :class:`router.errors.RouterError` (400/422) for a bad body."""
+    if endpoint == "completions":
+        req: Any = decode(body, CompletionBody)
+        check_unsteered(req)
+        src = completion_tokens_source(req.prompt)
+        if src is None:
+            raise BadRequest("prompt is required")
+        if isinstance(src, str):
+            return req, await state.tokenizer.encode(src, req.model), req.stream
+        return req, src, req.stream
+    req = decode(body, ChatBody)
+    check_unsteered(req)
+    if not req.messages:
+        raise BadRequest("messages is required")
+    check_messages(req.messages)
+    return req, await state.tokenizer.encode_chat(req.messages, req.model), req.stream
+
+
+class Entry:
+    """One request through the door: admitted (until :meth:`release`), decoded and picked.
+    ``req`` is None for a request with no prompt (the picker's other paths)."""
+
+    __slots__ = ("admission", "body", "endpoint", "pick", "req", "stream")
+
+    def __init__(
+        self,
+        admission: Admission,
+        endpoint: str | None,
+        body: bytes,
+        req: Any,
+        stream: bool,
+        pick: Pick,
+    ) -> None:
+        self.admission = admission
+        self.endpoint = endpoint
+        self.body = body
+        self.req = req
+        self.stream = stream
+        self.pick = pick
+
+    def release(self) -> None:
+        self.admission.release()
+
+
+async def enter(
+    state: Runtime,
+    endpoint: str | None,
+    body: bytes,
+    authorization: str | None,
+    *,
+    eligible: Callable[[WorkerView], bool] | None = None,
+) -> Entry:
+    """Authorize, admit, decode, place and pick one OpenAI request (``endpoint``:
+    ``completions`` or ``chat``; None: no prompt, the load decides). Raises
+    :class:`router.errors.RouterError` (401, 429, 400/422, 404, 503) with nothing held."""
+    authorize(state, authorization, "the OpenAI endpoints")
+    placer = state.placer
+    admission = placer.admit()
+    try:
+        if endpoint is None:
+            req, stream = None, False
+            d = placer.place((), None)
+        else:
+            req, tokens, stream = await request_tokens(state, endpoint, body)
+            d = placer.place(tokens, req.model, req.lora_name, req.cache_salt)
+        # several answers (n > 1) decode from one prefill on one worker: vLLM's prefill leg
+        # would compute one (smg and llm-d keep them whole too)
+        whole = req is None or (req.n is not None and req.n > 1)
+        pick = placer.pick(d, allow_remote=not whole, eligible=eligible)
+    except BaseException:
+        admission.release()
+        raise
+    return Entry(admission, endpoint, body, req, stream, pick)
+
+
+def pick_headers(pick: Pick, serving: Choice | None = None) -> list[tuple[str, str]]:
+    """The answer headers of a pick, the same from every door: the worker serving the client
+    (the decode worker), the blocks of the prompt it holds, and for a disaggregated fleet what
+    was decided and why (after a door's fallback: what was done, and its cause).
+    ``serving``: the decode worker the door sent to, when not the first (a retry)."""
+    dc = serving or pick.decode
+    matched = str(dc.cand.matched_blocks)
+    out = [
+        ("x-kvrouter-worker", dc.worker.id),
+        ("x-kvrouter-matched-blocks", matched),
+        ("x-kvrouter-cached-blocks", matched),  # deprecated name of the same number
+    ]
+    if dc.worker.config.dp_ranks > 1:
+        out.append(("x-kvrouter-dp-rank", str(dc.cand.key[1])))
+    if pick.disaggregated:
+        out += [("x-kvrouter-pd", pick.mode), ("x-kvrouter-pd-reason", pick.reason)]
+        p = pick.prefill
+        if p is not None:
+            out.append(("x-kvrouter-prefill-worker", p.worker.id))
+        if pick.fallback:
+            out.append(("x-kvrouter-pd-fallback", pick.fallback))
+    return out
