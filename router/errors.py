@@ -61,9 +61,11 @@ class RouterError(Exception):
     status = 500
     type = "internal_error"
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
         self.message = message
+        #: the request field at fault (OpenAI's ``param``), when one is
+        self.param = param
 
 
 class ConfigError(RouterError):
@@ -164,6 +166,6 @@ class ErrorBody(msgspec.Struct):
 _encode = msgspec.json.Encoder().encode
 
 
-def error_json(message: str, type_: str) -> bytes:
+def error_json(message: str, type_: str, param: str | None = None) -> bytes:
     """The body of every error answer: ``{"error": {"message", "type", "param", "code"}}``."""
-    return _encode(ErrorBody(ErrorDetail(message, type_)))
+    return _encode(ErrorBody(ErrorDetail(message, type_, param)))

@@ -60,7 +60,7 @@ async def _router_error(request: Request, exc: Exception) -> Response:
     state = getattr(request.app.state, "kv", None)
     if state is not None:
         state.metrics.rejected.labels(str(exc.status)).inc()
-    return error_response(exc.status, exc.message, exc.type)
+    return error_response(exc.status, exc.message, exc.type, param=exc.param)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

@@ -189,10 +189,14 @@ encode = msgspec.json.Encoder().encode
 
 
 def error_response(
-    status: int, message: str, type_: str, headers: Mapping[str, str] | None = None
+    status: int,
+    message: str,
+    type_: str,
+    headers: Mapping[str, str] | None = None,
+    param: str | None = None,
 ) -> Response:
     """An error answer: :func:`router.errors.error_json` (the one error body) as a response."""
-    body = error_json(message, type_)
+    body = error_json(message, type_, param)
     return Response(body, status_code=status, media_type="application/json", headers=headers)
 
 

@@ -109,7 +109,9 @@ def _length_and_chunked(headers: Iterable[tuple[bytes, bytes]]) -> bool:
 async def _answer(
     scope: Scope, receive: Receive, send: Send, err: RouterError, headers: Any = None
 ) -> None:
-    await error_response(err.status, err.message, err.type, headers)(scope, receive, send)
+    await error_response(err.status, err.message, err.type, headers, err.param)(
+        scope, receive, send
+    )
 
 
 async def _guarded(endpoint: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:

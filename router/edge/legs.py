@@ -69,14 +69,17 @@ class LegPatch(msgspec.Struct, omit_defaults=True):
 
 
 class LegOut(msgspec.Struct):
-    """One leg in ``POST /route``'s answer: where it goes and how its body differs."""
+    """One leg in ``POST /route``'s answer: where it goes and how its body differs from the
+    client's (:class:`LegPatch`'s three fields)."""
 
     leg: str  # prefill | decode
     worker_id: str
     dp_rank: int
     url: str
     matched_blocks: int
-    patch: LegPatch
+    set: dict[str, Any]
+    remove: list[str]
+    from_prefill: list[str]
     #: sent at the same time as the other leg (SGLang), or after it (vLLM)
     concurrent: bool = False
 
@@ -87,6 +90,8 @@ class PdOut(msgspec.Struct):
     decision: str  # local | remote
     reason: str
     protocol: str
+    #: the prefill worker of a remote decision
+    prefill: LegOut | None
     uncached_decode_tokens: int
     uncached_prefill_tokens: int
     legs: list[LegOut]
@@ -105,21 +110,32 @@ def route_legs(pick: Pick, protocol: str, rng: random.Random) -> PdOut:
         legs.append(_leg_out("prefill", p, prefill_patch(protocol, fields), concurrent))
         d_patch = decode_patch(protocol, fields)
     legs.append(_leg_out("decode", dc, d_patch, concurrent and p is not None))
+    first = legs[0] if p is not None else None
     return PdOut(
-        pick.mode, pick.reason, protocol, pick.uncached_decode, pick.uncached_prefill, legs
+        pick.mode, pick.reason, protocol, first, pick.uncached_decode, pick.uncached_prefill, legs
     )
 
 
 def _leg_out(leg: str, c: Choice, patch: LegPatch, concurrent: bool) -> LegOut:
     key = c.cand.key
-    return LegOut(leg, key[0], key[1], c.worker.url, c.cand.matched_blocks, patch, concurrent)
+    return LegOut(
+        leg,
+        key[0],
+        key[1],
+        c.worker.url,
+        c.cand.matched_blocks,
+        patch.set,
+        patch.remove,
+        patch.from_prefill,
+        concurrent,
+    )
 
 
 def check_unsteered(req: Any) -> None:
     """400 for a decoded OpenAI body that sets a transfer field (:data:`STEERING`)."""
     for name in STEERING:
         if getattr(req, name, None) is not None:
-            raise BadRequest(f"{name}: set by the router, a client may not send it")
+            raise BadRequest(f"{name}: set by the router, a client may not send it", param=name)
 
 
 def bootstrap(prefill: Choice, rng: random.Random) -> dict[str, Any]:

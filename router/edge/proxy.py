@@ -346,7 +346,9 @@ class AsgiProxy:
         except RouterError as e:
             state.metrics.rejected.labels(str(e.status)).inc()
             await out.whole(
-                e.status, [(b"content-type", b"application/json")], error_json(e.message, e.type)
+                e.status,
+                [(b"content-type", b"application/json")],
+                error_json(e.message, e.type, e.param),
             )
 
 

@@ -151,7 +151,7 @@ class RouteEndpoint:
         except ClientDisconnect:
             return
         except RouterError as e:
-            status, answer = e.status, error_json(e.message, e.type)
+            status, answer = e.status, error_json(e.message, e.type, e.param)
             state.metrics.rejected.labels(str(status)).inc()
         await send(
             {

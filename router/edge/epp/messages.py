@@ -222,13 +222,15 @@ def trailers_reply(*, request: bool) -> Reply:
     return _TRAILERS[request]
 
 
-def immediate(status: int, message: str, type_: str, set_headers: Headers = ()) -> Reply:
+def immediate(
+    status: int, message: str, type_: str, set_headers: Headers = (), param: str | None = None
+) -> Reply:
     """Envoy answers the client itself: ``status``, the OpenAI error body, JSON."""
     r = ProcessingResponse()
     im = r.immediate_response
     im.status.code = status  # (proto3 enums are open: any HTTP status)
     _mutate(im.headers, [("content-type", "application/json"), *set_headers])
-    im.body = error_json(message, type_)
+    im.body = error_json(message, type_, param)
     im.details = f"kvrouter_epp_{status}"
     return r.SerializeToString()
 

@@ -293,7 +293,7 @@ class EppStream:
     async def _refuse(self, e: RouterError) -> None:
         self.status = e.status
         self.state.metrics.rejected.labels(str(e.status)).inc()
-        await self.write(immediate(e.status, e.message, e.type, self.answer_headers))
+        await self.write(immediate(e.status, e.message, e.type, self.answer_headers, e.param))
 
     # ------------------------------------------------------------------ response phase
 
