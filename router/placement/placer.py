@@ -294,11 +294,12 @@ class Placer:
         """Commit candidate ``i`` and return the flight that ends it (``t0``: when the request
         arrived, on ``timer``; now if not given). ``by_events``: the router may see no answer
         byte that marks the prefill's end (an accounted route, the picker seeing only the
-        head), so the worker's events end it (:meth:`blocks_stored`)."""
+        head), so the worker's events end it (:meth:`blocks_stored`). ``leg``: ``prefill`` or
+        ``decode`` for a remote pick's two legs (the decode leg builds nothing: ``commit``)."""
         if t0 is None:
             t0 = self.timer()
         c = d.candidates[i]
-        ticket = self.commit(d, i, kind=kind)
+        ticket = self.commit(d, i, kind=kind, remote_prefill=leg == "decode")
         # engines (vLLM, the bundled one) always compute at least the last prompt token, so a
         # prompt of exactly k blocks reuses at most k - 1 of them
         bs = d.block_size
