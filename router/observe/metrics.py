@@ -364,7 +364,9 @@ class RouterMetrics:
     def account_ended(self, reason: str) -> None:
         self.child(self.route_accounts_ended, reason).inc()
 
-    def cached_tokens(self, worker: str, predicted: int, actual: int) -> None:
+    def cached_tokens(self, worker: str, predicted: int, actual: int, leg: str = "") -> None:
+        if leg:
+            self.pd.cached(leg, predicted, actual)
         self.child(self.predicted_tokens, worker).inc(predicted)
         self.child(self.actual_tokens, worker).inc(actual)
         self.child(self.cached_error, worker).observe(abs(predicted - actual))

@@ -148,7 +148,7 @@ class Flight:
         else:
             m.account_ended(status)
         if self.cached is not None:
-            m.cached_tokens(self.worker, self.predicted_tokens, self.cached)
+            m.cached_tokens(self.worker, self.predicted_tokens, self.cached, self.leg)
 
 
 class Admission:

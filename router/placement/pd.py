@@ -123,7 +123,8 @@ def pick(
     if pd_fleet:
         decodes = [c for c in decodes if c.worker.config.role != "prefill"]
     if not decodes:
-        raise NoHealthyWorker("no healthy worker for this request")
+        where = " in the allowed subset" if len(usable) < len(d.order) else ""
+        raise NoHealthyWorker(f"no healthy worker{where} for this request")
     if not pd_fleet:
         return Pick(d, decodes, AGGREGATED, "")
     p = Pick(d, decodes, LOCAL, "")

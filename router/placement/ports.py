@@ -94,8 +94,9 @@ class PlacementMetrics(Protocol):
     def account_ended(self, reason: str) -> None:
         """An accounted ``/route`` placement ended: released, expired, evicted, worker_removed."""
 
-    def cached_tokens(self, worker: str, predicted: int, actual: int) -> None:
-        """Cached prompt tokens predicted vs what the worker reported."""
+    def cached_tokens(self, worker: str, predicted: int, actual: int, leg: str = "") -> None:
+        """Cached prompt tokens predicted vs what the worker reported (``leg``: of a remote
+        pick, ``prefill`` or ``decode``)."""
 
     def placement_state(self, predicted_blocks: int, accounted_routes: int) -> None: ...
 
@@ -124,7 +125,7 @@ class NoMetrics:
     def account_ended(self, reason: str) -> None:
         pass
 
-    def cached_tokens(self, worker: str, predicted: int, actual: int) -> None:
+    def cached_tokens(self, worker: str, predicted: int, actual: int, leg: str = "") -> None:
         pass
 
     def placement_state(self, predicted_blocks: int, accounted_routes: int) -> None:

@@ -57,7 +57,7 @@ from router.errors import (
     RouterError,
     TooManyRequests,
 )
-from router.placement import Admission, Flight, WorkerView
+from router.placement import Admission, Flight, WorkerView, cached_tokens
 from router.runtime import Runtime
 
 __all__ = ["EppStream", "Read", "Write"]
@@ -279,15 +279,13 @@ class EppStream:
             self.prefill_flight = state.placer.fly(
                 d, p.index, kind, endpoint=where, t0=self.t0, by_events=True, leg="prefill"
             )
-        self.flight = state.placer.fly(
-            d,
-            dc.index,
-            kind,
-            endpoint=where,
-            t0=self.t0,
-            by_events=self.head_only,
-            leg="decode" if p is not None else "",
+        leg = "decode" if p is not None else ""
+        f = state.placer.fly(
+            d, dc.index, kind, endpoint=where, t0=self.t0, by_events=self.head_only, leg=leg
         )
+        self.flight = f
+        if p is not None:  # (the decode worker reports the prefill worker's hit: vLLM >= 0.32)
+            f.predicted_tokens = cached_tokens(p.cand, d.tokens, d.block_size)
         return endpoints, more, remove
 
     async def _refuse(self, e: RouterError) -> None:
