@@ -20,6 +20,7 @@ from router.placement import (
     PlacementSettings,
     Placer,
     TicketState,
+    placed_event,
 )
 from router.settings import WorkerConfig, load_settings
 
@@ -179,3 +180,46 @@ def test_admission_counts_until_released_once() -> None:
     a.release()
     a.release()
     assert placer.inflight == 0
+
+
+class Heard:
+    """A placement listener (what replica sync is): records each ticket's life."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str, float]] = []
+
+    def committed(self, t: Any) -> None:
+        self.events.append(("committed", t.key[0], t.prefill))
+
+    def first_token(self, t: Any) -> None:
+        self.events.append(("first_token", t.key[0], t.prefill))
+
+    def ended(self, t: Any) -> None:
+        self.events.append(("ended", t.key[0], t.prefill))
+
+
+def test_replica_sync_hears_both_legs_as_any_other_placement() -> None:
+    placer, _ = build({"p": "prefill", "d": "decode"}, mode="always")
+    heard = Heard()
+    placer.listener = heard
+    d = placer.place(PROMPT)
+    p = placer.pick(d)
+    assert p.prefill is not None
+    pf = placer.fly(d, p.prefill.index, "proxy", leg="prefill")
+    df = placer.fly(d, p.decode.index, "proxy", leg="decode")
+    # what the peers learn: P builds 40 blocks, D holds the 40 it will pull and builds none
+    on_p, on_d = placed_event(pf.ticket, 8192), placed_event(df.ticket, 8192)
+    assert (on_p.worker, on_p.prefill, on_p.matched) == ("p", 40.0, 0)
+    assert (on_d.worker, on_d.prefill, on_d.matched) == ("d", 0.0, 40)
+    pf.first_byte()
+    pf.done("200")
+    df.first_byte()
+    df.done("200")
+    assert heard.events == [
+        ("committed", "p", 40.0),
+        ("committed", "d", 0.0),
+        ("first_token", "p", 40.0),
+        ("ended", "p", 40.0),
+        ("first_token", "d", 0.0),
+        ("ended", "d", 0.0),
+    ]
