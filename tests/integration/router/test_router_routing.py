@@ -156,7 +156,7 @@ async def test_herding_concurrent_shared_prefix_lands_on_few_workers(workers, ro
     assert sum(1 for _, cached in results if cached >= 128) >= 31 - len(used)
     served = sum(len(w.requests) for w in ws)
     assert served == 32
-    await wait_for(lambda: r.state.inflight == 0, 10, "all released")
+    await wait_for(lambda: r.state.placer.inflight == 0, 10, "all released")
 
 
 async def test_herding_would_scatter_without_predictions(workers, router, http):
