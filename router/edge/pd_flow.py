@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 import time
 from collections.abc import Awaitable
@@ -35,6 +36,7 @@ from router.runtime import Runtime
 __all__ = ["PrefillAnswer", "Sibling", "SiblingFailed", "prefill_first"]
 
 T = TypeVar("T")
+log = logging.getLogger("kvrouter.proxy")
 _rng = random.SystemRandom()  # bootstrap rooms: unguessable, never repeated by a seed
 
 
@@ -134,12 +136,22 @@ async def prefill_first(
             return {}
         params = answer_params(content)
         if params is not None:
+            _epoch(state, p, params.get("remote_engine_id"))
             return params
         cause = "prefill_no_params"
         break
     pick.fall_back(cause)
     pdm.fell_back(cause)
     return None
+
+
+def _epoch(state: Runtime, p: Choice, engine_id: object) -> None:
+    """A prefill worker whose engine id changed restarted between two answers: a new epoch
+    (vllm#49238: a decode worker holding the old one's handshake can fail)."""
+    ws = p.worker
+    if isinstance(engine_id, str) and state.placer.engine_seen(ws.id, engine_id, ws.keys):
+        log.warning("prefill worker %s restarted (engine id now %s)", ws.id, engine_id)
+        state.metrics.pd.restarted()
 
 
 class Sibling:

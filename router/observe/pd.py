@@ -32,6 +32,14 @@ class PdMetrics:
             ["cause"],
             registry=r,
         )
+        self.epochs = Family(
+            "counter",
+            "kvrouter_pd_prefill_restarts_total",
+            "prefill workers seen answering with a new engine id (a restart: a new epoch; the "
+            "log names the worker)",
+            [],
+            registry=r,
+        )
         self.leg_seconds = Family(
             "histogram",
             "kvrouter_pd_leg_seconds",
@@ -56,6 +64,9 @@ class PdMetrics:
             ["leg"],
             registry=r,
         )
+
+    def restarted(self) -> None:
+        self.epochs.inc()
 
     def decided(self, decision: str, reason: str) -> None:
         self.decisions.labels(decision, reason).inc()

@@ -96,6 +96,8 @@ class Placer:
         self.load = LoadLedger()
         #: requests admitted through a door and not yet ended (``config.max_inflight``)
         self.inflight = 0
+        #: prefill workers' engine ids (vLLM's ``remote_engine_id``, new at each start)
+        self._engines: dict[str, str] = {}
         #: per rank, the flights whose prefill has not been seen to end, by ticket id
         self._awaiting: dict[WorkerKey, dict[int, Flight]] = {}
         self.predicted = PredictedBlocks(
@@ -347,6 +349,21 @@ class Placer:
             not t.prefill_hashes or holds(key, t.prefill_hashes[0])
         )
 
+    def engine_seen(self, worker_id: str, engine_id: str, keys: Sequence[WorkerKey]) -> bool:
+        """A prefill worker answered with its engine id; True when it changed: the engine
+        restarted (a new epoch, its KV gone), so what was predicted on its ranks is dropped
+        (its events rebuild what it holds)."""
+        old = self._engines.get(worker_id)
+        self._engines[worker_id] = engine_id
+        if old is None or old == engine_id:
+            return False
+        for key in keys:
+            try:
+                self.predicted.drop_slot(self.index.slot(key))
+            except KeyError:
+                pass
+        return True
+
     def drop_worker(self, worker_id: str, keys: Sequence[WorkerKey]) -> None:
         """A worker left: forget its predictions, end its accounted routes, drop its load."""
         for key in keys:
@@ -356,6 +373,7 @@ class Placer:
                 pass
         self.accounts.drop_worker(worker_id)
         self.remote.drop_worker(worker_id)
+        self._engines.pop(worker_id, None)
         self.load.drop_worker(worker_id)
         for key in keys:  # (their flights end as their streams do)
             self._awaiting.pop(key, None)

@@ -690,3 +690,18 @@ async def test_proxy_route_and_epp_give_the_same_pick_and_headers(pd, router, cl
     finally:
         await envoy.aclose()
     await settled(r)
+
+
+async def test_a_prefill_engine_that_restarted_is_a_new_epoch(pd, router, client):
+    p = await pd.nixl_prefill("p0")
+    d = await pd.nixl_decode("d0")
+    r = await router([p, d], pd=ALWAYS)
+    first = await post(client, r, completion(PREFIX + "one"))
+    assert first.status_code == 200, first.text
+    await settled(r)
+    p.restart_engine()  # its KV is gone; the next answer carries a new engine id
+    again = await post(client, r, completion("something else entirely, " * 8))
+    assert again.status_code == 200 and again.headers["x-kvrouter-pd"] == "remote"
+    text = (await client.get(r.url + "/metrics")).text
+    assert metric(text, "kvrouter_pd_prefill_restarts_total") == 1  # (the first id is no restart)
+    await settled(r)

@@ -223,3 +223,15 @@ def test_replica_sync_hears_both_legs_as_any_other_placement() -> None:
         ("first_token", "d", 0.0),
         ("ended", "d", 0.0),
     ]
+
+
+def test_a_prefill_engine_with_a_new_id_is_a_new_epoch() -> None:
+    placer, _ = build({"p": "prefill", "d": "decode"}, mode="always")
+    d = placer.place(PROMPT)
+    placer.fly(d, placer.pick(d).prefills[0].index, "proxy", leg="prefill").done("200")
+    keys = [("p", 0)]
+    assert not placer.engine_seen("p", "engine-1", keys)  # the first id: no restart
+    assert placer.place(PROMPT).candidates[0].predicted_blocks == 40
+    assert not placer.engine_seen("p", "engine-1", keys)
+    assert placer.engine_seen("p", "engine-2", keys)  # restarted: its predictions go
+    assert {c.key[0]: c.predicted_blocks for c in placer.place(PROMPT).candidates}["p"] == 0
