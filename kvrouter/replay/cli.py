@@ -201,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run_virtual(args: argparse.Namespace, reqs: list[TraceRequest], names: list[str]) -> list:
-    from kvrouter.replay.policies import VIRTUAL_POLICIES
+    from kvrouter.replay.factory import VIRTUAL_POLICIES
     from kvrouter.replay.report import Progress
     from kvrouter.replay.virtual import VirtualFleet, run_virtual
     from router.settings import load_settings

@@ -25,13 +25,15 @@ Every policy answers ``place(request, tokens, now) -> (worker, handle)`` and hea
 * ``oracle``: sees every engine's exact GPU cache and queue at decision time and picks the
   worker with the least modeled time to first token (the sim runner's own timing model). Greedy
   per request, so it is a strong reference, not an upper bound.
+
+Each is built by name in :mod:`kvrouter.replay.factory`.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
@@ -44,22 +46,17 @@ from router.fleet.registry import Registry
 from router.placement import PlacementSettings, Placer
 from router.settings import Settings, WorkerConfig
 
-if TYPE_CHECKING:
-    from kvrouter.replay.replicas import RouterReplicas
-
-__all__ = ["VIRTUAL_POLICIES", "Policy", "make_policy"]
-
-VIRTUAL_POLICIES = (
-    "random",
-    "round_robin",
-    "least_load",
-    "kvrouter",
-    "kvrouter-early-head",
-    "cache_aware",
-    "smg",
-    "smg_dark",
-    "oracle",
-)
+__all__ = [
+    "CacheAwarePolicy",
+    "KvrouterEarlyHeadPolicy",
+    "KvrouterPolicy",
+    "LeastLoadPolicy",
+    "OraclePolicy",
+    "Policy",
+    "RandomPolicy",
+    "RoundRobinPolicy",
+    "modeled_ttft",
+]
 
 
 class Policy:
@@ -265,38 +262,3 @@ def modeled_ttft(engine: LLMEngine, new_tokens: int) -> float:
     ms = steps * (p["prefill_c"] + (runner.decode_ms(decoding, context) if decoding else 0.0))
     ms += p["prefill_b"] * total + p["prefill_a"] * min(new_tokens, budget) * new_tokens
     return ms / 1e3
-
-
-def make_policy(
-    name: str,
-    engines: Sequence[LLMEngine],
-    *,
-    seed: int,
-    settings: Settings,
-    clock: Callable[[], float],
-    replicas: RouterReplicas | None = None,
-) -> Policy:
-    """``replicas``: policy ``kvrouter`` through several routers (:mod:`kvrouter.replay.replicas`)."""
-    if name == "random":
-        return RandomPolicy(engines, seed)
-    if name == "round_robin":
-        return RoundRobinPolicy(engines)
-    if name == "least_load":
-        return LeastLoadPolicy(engines)
-    if name == "kvrouter":
-        if replicas is not None and replicas.count > 1:
-            from kvrouter.replay.replicas import ReplicatedKvrouterPolicy  # builds on this module
-
-            return ReplicatedKvrouterPolicy(engines, settings, clock, replicas, seed)
-        return KvrouterPolicy(engines, settings, clock)
-    if name == "kvrouter-early-head":
-        return KvrouterEarlyHeadPolicy(engines, settings, clock)
-    if name == "cache_aware":
-        return CacheAwarePolicy(engines)
-    if name in ("smg", "smg_dark"):
-        from kvrouter.replay.smg import SmgPolicy  # it builds on Policy, defined here
-
-        return SmgPolicy(engines, seed, reports=name == "smg")
-    if name == "oracle":
-        return OraclePolicy(engines)
-    raise ValueError(f"unknown virtual-time policy {name!r} (known: {', '.join(VIRTUAL_POLICIES)})")

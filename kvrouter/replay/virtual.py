@@ -32,9 +32,9 @@ from engine.engine import InvalidRequestError, LLMEngine, RequestOutput
 from engine.runner import RunnerConfig
 from engine.runner.sim import SimRunner
 from engine.sequence import Request
+from kvrouter.replay.factory import make_policy
 from kvrouter.replay.fleet import EngineCounters
 from kvrouter.replay.live_client import LiveOutcome
-from kvrouter.replay.policies import make_policy
 from kvrouter.replay.replicas import RouterReplicas
 from kvrouter.replay.trace import TraceRequest, check_block_sizes, prompt_tokens
 from router.settings import Settings
