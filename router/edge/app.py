@@ -34,13 +34,7 @@ from router.edge.proxy import AsgiProxy
 from router.edge.route import RouteEndpoint
 from router.errors import ConfigError, RouterError
 from router.runtime import Runtime
-from router.runtime.replicas import (
-    SNAPSHOT_PATH,
-    drop_unclaimed,
-    log_time_to_ready,
-    warm_index,
-    warm_urls,
-)
+from router.runtime.replicas import SNAPSHOT_PATH, warm_index, warm_urls
 from router.settings import Settings
 
 if TYPE_CHECKING:
@@ -129,10 +123,10 @@ def create_app(settings: Settings, *, process: int = 0) -> RouterApp:
                     await state.subscriber.remove_worker(key[0])  # them: one writer)
             if discovery is not None:  # its pods claim restored ranks; the rest go later
                 tasks.append(asyncio.create_task(discovery.run(state), name="k8s-discovery"))
-                tasks.append(asyncio.create_task(drop_unclaimed(state), name="unclaimed-ranks"))
+                tasks.append(asyncio.create_task(state.drop_unclaimed(), name="unclaimed-ranks"))
             if state.replicas is not None:  # replica sync (router.runtime.replicas)
                 await state.replicas.start()
-            tasks.append(asyncio.create_task(log_time_to_ready(state, t0, warm), name="ready-log"))
+            tasks.append(asyncio.create_task(state.log_time_to_ready(t0, warm), name="ready-log"))
             tasks.append(asyncio.create_task(state.health.run(), name="health"))
             tasks.append(asyncio.create_task(_housekeeping(state), name="housekeeping"))
             tasks.append(asyncio.create_task(state.check_tokenizer(), name="tokenizer-check"))

@@ -46,6 +46,10 @@ __all__ = ["Runtime", "load_index", "snapshot_off_loop"]
 
 log = logging.getLogger("kvrouter.router")
 
+#: restored ranks that no worker source (the config, discovery) claims this long after the
+#: start are dropped: their workers are gone
+UNCLAIMED_GRACE_S = 60.0
+
 
 def load_index(settings: Settings) -> tuple[PrefixIndex, dict[WorkerKey, int]]:
     """The snapshotted index when ``snapshot.path`` holds a usable one, else an empty index."""
@@ -239,6 +243,28 @@ class Runtime:
     def all_ready(self) -> bool:
         """Every configured worker's event stream is connected and replayed."""
         return all(self.subscriber.worker_ready(w) for w in self.registry.workers)
+
+    async def drop_unclaimed(self, grace_s: float = UNCLAIMED_GRACE_S) -> None:
+        """After ``grace_s``: drop the restored ranks of workers nobody registered (with worker
+        discovery, pods claim theirs as they are found; without it the lifespan drops them at
+        once)."""
+        await asyncio.sleep(grace_s)
+        for wid in sorted({k[0] for k in self.index.workers()} - set(self.registry.workers)):
+            log.info("restored index entries of worker %s dropped: no such worker now", wid)
+            await self.subscriber.remove_worker(wid)  # (on its task: the index's one writer)
+
+    async def log_time_to_ready(self, t0: float, warm: WarmIndex | None) -> None:
+        """Log once every worker's stream is live: how long after ``t0`` (the start), and how
+        (warm from a peer's index, :mod:`router.runtime.replicas.warm`, or cold)."""
+        while not self.all_ready():
+            await asyncio.sleep(0.05)  # a log line: no event exists for readiness
+        how = f"warm from {warm.source}" if warm is not None else "cold"
+        log.info(
+            "ready %.2f s after start (%s), index of %d blocks",
+            time.monotonic() - t0,
+            how,
+            len(self.index),
+        )
 
     def pick_tokenize_worker(self, model: str | None) -> tuple[str, str]:
         for st in self.registry.candidates(model):

@@ -19,8 +19,6 @@ from router.runtime.replicas.warm import (
     SNAPSHOT_PATH,
     SNAPSHOT_TYPE,
     WarmIndex,
-    drop_unclaimed,
-    log_time_to_ready,
     warm_index,
 )
 
@@ -32,8 +30,6 @@ __all__ = [
     "SyncBindError",
     "WarmIndex",
     "WarmStartError",
-    "drop_unclaimed",
-    "log_time_to_ready",
     "warm_index",
     "warm_urls",
 ]

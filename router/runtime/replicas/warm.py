@@ -5,7 +5,8 @@ from it; the subscriber then resumes every rank's stream from those numbers (che
 the publisher is still the process they came from), so the replica routes with the fleet's cache
 from its first request instead of after the workers' replays. Peers are tried in order, all
 within ``replicas.warm_timeout_s``; when none answers with a usable snapshot the start is cold,
-as without peers. ``log_time_to_ready`` says how long either took.
+as without peers. :meth:`router.runtime.Runtime.log_time_to_ready` says how long either took,
+and :meth:`router.runtime.Runtime.drop_unclaimed` drops the restored ranks no worker claims.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import dataclasses
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from indexer.index import PrefixIndex, SnapshotError
 from router.fleet.upstream import UpstreamError, UpstreamPool
@@ -23,16 +23,11 @@ from router.runtime.replicas.errors import WarmStartError
 from router.settings import Settings
 from router.types import WorkerKey
 
-if TYPE_CHECKING:
-    from router.runtime.service import Runtime
-
 __all__ = [
     "SNAPSHOT_PATH",
     "SNAPSHOT_TYPE",
     "WarmIndex",
-    "drop_unclaimed",
     "fetch_index",
-    "log_time_to_ready",
     "warm_index",
 ]
 
@@ -40,9 +35,6 @@ log = logging.getLogger("kvrouter.replicas")
 
 SNAPSHOT_PATH = "/admin/snapshot"
 SNAPSHOT_TYPE = "application/vnd.kvrouter.index-snapshot+msgpack"
-#: restored ranks that no worker source (the config, discovery) claims this long after the
-#: start are dropped: their workers are gone
-UNCLAIMED_GRACE_S = 60.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,26 +111,3 @@ async def warm_index(settings: Settings, urls: Sequence[str]) -> WarmIndex | Non
         rs.warm_timeout_s,
     )
     return None
-
-
-async def drop_unclaimed(state: Runtime, grace_s: float = UNCLAIMED_GRACE_S) -> None:
-    """After ``grace_s``: drop the restored ranks of workers nobody registered (with worker
-    discovery, pods claim theirs as they are found; without it the lifespan drops them at
-    once)."""
-    await asyncio.sleep(grace_s)
-    for wid in sorted({k[0] for k in state.index.workers()} - set(state.registry.workers)):
-        log.info("restored index entries of worker %s dropped: no such worker now", wid)
-        await state.subscriber.remove_worker(wid)  # (on its task: the index's one writer)
-
-
-async def log_time_to_ready(state: Runtime, t0: float, warm: WarmIndex | None) -> None:
-    """Log once every worker's stream is live: how long after ``t0`` (the start), and how."""
-    while not state.all_ready():
-        await asyncio.sleep(0.05)  # a log line: no event exists for readiness
-    how = f"warm from {warm.source}" if warm is not None else "cold"
-    log.info(
-        "ready %.2f s after start (%s), index of %d blocks",
-        time.monotonic() - t0,
-        how,
-        len(state.index),
-    )
