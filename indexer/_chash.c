@@ -545,7 +545,7 @@ static MaskMap *as_maskmap(PyObject *o) {
 /* ---- index hot paths: GPU stores and removals on a worker with no colliding router blocks.
  * Each stops at the first block that needs the general Python path and returns its index, so
  * Python stays the authority on every rare case. Same semantics as the Python fallbacks in
- * indexer/index.py (_py_store_gpu, _py_remove_gpu); the index tests run both. */
+ * indexer/index/native.py (_py_store_gpu, _py_remove_gpu); the index tests run both. */
 
 static inline uint64_t block_hash(uint64_t parent, PyObject **blk, Py_ssize_t bs, int *err) {
     uint64_t x = parent ^ K3;

@@ -44,7 +44,7 @@ log = logging.getLogger("kvrouter.app")
 
 class RouterApp:
     """What ``create_app`` returns. ``state`` is the FastAPI app's (``settings``, and ``kv``, the
-    :class:`router.service.RouterState`, once the lifespan has started); ``api`` is the FastAPI
+    :class:`router.runtime.Runtime`, once the lifespan has started); ``api`` is the FastAPI
     app itself. ``hot`` maps each exact path to its plain ASGI endpoint: POST only."""
 
     def __init__(

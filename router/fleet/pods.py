@@ -1,8 +1,8 @@
 """What a worker pod or a ``GET /kv_event_sources`` answer means as a router worker: which pods
 are ready, the :class:`~router.settings.WorkerConfig` a pod stands for (ports, data-parallel ranks,
 model and pool from its annotations), and the event endpoints vLLM lists for its ranks.
-:mod:`router.fleet.discovery` (Kubernetes) and ``router.service`` (a configured worker given without
-``events=``) call them. One function does I/O: :func:`fetch_sources`, the one reader of
+:mod:`router.fleet.discovery` (Kubernetes) and :class:`router.runtime.Runtime` (a configured
+worker given without ``events=``) call them. One function does I/O: :func:`fetch_sources`, the one reader of
 ``GET /kv_event_sources``; the rest are pure.
 """
 
