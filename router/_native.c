@@ -3,8 +3,8 @@
  * instead of 63 (the token array is cut out and hashed in place); counts_add adds and removes
  * a request's 256 load-accounting keys in 21 us instead of 49; json_shape gives a decoded body's
  * top-level keys and nesting depth for the checks msgspec does not make (issue 21) in 1.3 us for
- * a 25 KB chat body, where its Python twin takes 59. Python twins: router.api's whole-body decode,
- * router.load._py_counts_add and router.edge.bodycheck.py_json_shape (tests hold them to the
+ * a 25 KB chat body, where its Python twin takes 59. Python twins: router.edge.bodies's whole-body decode,
+ * router.placement.load._py_counts_add and router.edge.bodycheck.py_json_shape (tests hold them to the
  * same answers). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
