@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="SPEC",
         help="id=w0,url=http://127.0.0.1:8001,events=tcp://127.0.0.1:5557"
-        "[,replay=tcp://127.0.0.1:5558][,dp=2][,pool=P][,model=M] (repeatable)",
+        "[,replay=tcp://127.0.0.1:5558][,dp=2][,pool=P][,model=M]"
+        "[,role=prefill|decode|both][,bootstrap=PORT] (repeatable)",
     )
     p.add_argument("--processes", type=int, help="router processes on one port, synced (default 1)")
     p.add_argument(

@@ -35,6 +35,18 @@ __all__ = [
 _JSON = "application/json"
 
 
+class _WorkerRoleIn(WorkerIn):
+    """``POST /workers`` with a worker's role (``prefill``, ``decode`` or ``both``, the default)
+    and, for SGLang's prefill/decode exchange, its ``bootstrap_port`` (the names of a
+    ``workers:`` entry)."""
+
+    role: str = "both"
+    bootstrap_port: int | None = None
+
+
+_WORKER_FIELDS = _WorkerRoleIn.__struct_fields__  # each a WorkerConfig field of that name
+
+
 def _json(obj: Any, status: int = 200) -> Response:
     return Response(encode(obj), status_code=status, media_type=_JSON)
 
@@ -108,6 +120,8 @@ def _worker_view(state: Runtime, worker_id: str) -> dict[str, Any]:
     return {
         "id": cfg.id,
         "url": cfg.url,
+        "role": cfg.role,
+        "bootstrap_port": cfg.bootstrap_port,
         "events_endpoint": cfg.events_endpoint,
         "replay_endpoint": cfg.replay_endpoint,
         "dp_ranks": cfg.dp_ranks,
@@ -136,17 +150,9 @@ async def list_workers(request: Request) -> Response:
 async def add_worker(request: Request) -> Response:
     state = _state(request)
     _require_admin(state, request)
-    w = decode(await read_body(request, 65536), WorkerIn)
+    w = decode(await read_body(request, 65536), _WorkerRoleIn)
     try:
-        cfg = WorkerConfig(
-            id=w.id,
-            url=w.url,
-            events_endpoint=w.events_endpoint,
-            replay_endpoint=w.replay_endpoint,
-            dp_ranks=w.dp_ranks,
-            pool=w.pool,
-            model=w.model,
-        )
+        cfg = WorkerConfig(**{f: getattr(w, f) for f in _WORKER_FIELDS})
     except ValueError as e:  # __post_init__ checks: "`url` must be an http(s) URL"
         raise BadRequest(str(e).replace("`", "")) from e
     await state.add_worker(cfg, dynamic=True)
@@ -169,7 +175,17 @@ async def health(request: Request) -> Response:
 
 
 async def ready(request: Request) -> Response:
-    ok, waiting = _state(request).ready()
+    """Ready: not draining and some routable worker (healthy, its event stream live:
+    ``Runtime.ready``); in a fleet with roles, a routable decode worker and, when the fleet has
+    prefill workers and no ``both`` one, a routable prefill worker (``Registry.lacking_roles``,
+    named in ``waiting_for``)."""
+    state = _state(request)
+    ok, waiting = state.ready()
+    if not state.draining:
+        lacking = state.registry.lacking_roles(state.subscriber.worker_ready)
+        if lacking:
+            ok = False
+            waiting = [*waiting, *(f"a routable {role} worker" for role in lacking)]
     return _json({"ready": ok, "waiting_for": waiting}, status=200 if ok else 503)
 
 

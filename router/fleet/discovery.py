@@ -17,6 +17,13 @@ replay. Ports, data-parallel ranks, model and pool come from the pod's annotatio
 the pod (one entry per data-parallel rank). A pod whose endpoints cannot be read yet is retried
 every ``retry_s``.
 
+A pod's role (prefill/decode disaggregation) is its label ``llm-d.ai/role`` read as llm-d reads it
+(:func:`pod_role`): ``prefill``, ``decode``, ``prefill-decode`` or its older name ``both``; no
+label is ``both``; an unknown value is ``both`` with a warning; an encoder-only pod (``encode``)
+is no worker. The SGLang bootstrap port of a prefill pod comes from its annotation
+``sglang.ai/bootstrap-port`` (or ``vllm.ai/bootstrap-port``); a malformed one is a warning and no
+port. A pod's warnings are logged once (again when they change).
+
 Workers are added and removed through the same calls as ``POST``/``DELETE /workers``
 (:class:`WorkerSink`, the router state); this module never touches the index. Every change is made
 by this module's tasks (one per changed pod, so a pod slow to describe itself delays no other),
@@ -27,7 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Mapping
 from typing import Any, Protocol
 
 import msgspec
@@ -37,9 +44,74 @@ from router.fleet.pods import PodNotUsable, fetch_sources, pod_ready, worker_for
 from router.fleet.upstream import UpstreamPool
 from router.settings import DiscoverySettings, WorkerConfig
 
-__all__ = ["KubernetesDiscovery", "WorkerSink"]
+__all__ = [
+    "BOOTSTRAP_ANNOTATIONS",
+    "ROLE_LABEL",
+    "KubernetesDiscovery",
+    "WorkerSink",
+    "pod_role",
+    "with_role",
+]
 
 log = logging.getLogger("kvrouter.discovery")
+
+#: the pod label llm-d's scheduler filters prefill and decode pods by
+ROLE_LABEL = "llm-d.ai/role"
+#: a prefill pod's SGLang bootstrap port, first found wins
+BOOTSTRAP_ANNOTATIONS = ("sglang.ai/bootstrap-port", "vllm.ai/bootstrap-port")
+#: llm-d's values of ``llm-d.ai/role`` (llm-d-inference-scheduler, pkg/plugins/filter/roles.go:
+#: its prefill filter takes prefill, encode-prefill, prefill-decode, both, encode-prefill-decode;
+#: its decode filter decode, prefill-decode, both, encode-prefill-decode), as kvrouter roles
+_LLMD_ROLES = {
+    "prefill": "prefill",
+    "encode-prefill": "prefill",
+    "decode": "decode",
+    "prefill-decode": "both",
+    "both": "both",  # llm-d: deprecated for prefill-decode
+    "encode-prefill-decode": "both",
+}
+
+
+def pod_role(pod: Any) -> tuple[str, int | None, list[str]]:
+    """(role, SGLang bootstrap port or None, warnings) of a pod, from its ``llm-d.ai/role``
+    label and bootstrap-port annotation. Raises :class:`PodNotUsable` for an encoder-only pod
+    (``encode``: it neither prefills nor decodes, llm-d's filters leave it out of both)."""
+    meta = pod.metadata
+    labels: Mapping[str, str] = (meta.labels if meta is not None else None) or {}
+    ann: Mapping[str, str] = (meta.annotations if meta is not None else None) or {}
+    warnings = []
+    value = labels.get(ROLE_LABEL)
+    if value is None:
+        role = "both"
+    elif value == "encode":
+        raise PodNotUsable(f"label {ROLE_LABEL}=encode: an encoder neither prefills nor decodes")
+    elif value in _LLMD_ROLES:
+        role = _LLMD_ROLES[value]
+    else:
+        role = "both"
+        known = ", ".join(sorted({*_LLMD_ROLES, "encode"}))
+        warnings.append(f"label {ROLE_LABEL}={value!r} is not one of {known}: taken as both")
+    port = None
+    for name in BOOTSTRAP_ANNOTATIONS:
+        raw = ann.get(name)
+        if raw is None:
+            continue
+        try:
+            port = int(raw.strip())
+        except ValueError:
+            port = None
+        if port is None or not 1 <= port <= 65535:
+            port = None
+            warnings.append(f"annotation {name}={raw!r} is not a port: no bootstrap port")
+        break
+    return role, port, warnings
+
+
+def with_role(cfg: WorkerConfig, pod: Any) -> tuple[WorkerConfig, list[str]]:
+    """``cfg`` (the pod's worker, :func:`~router.fleet.pods.worker_for_pod`) with the pod's role
+    and bootstrap port (:func:`pod_role`), and the warnings about them."""
+    role, port, warnings = pod_role(pod)
+    return msgspec.structs.replace(cfg, role=role, bootstrap_port=port), warnings
 
 
 class WorkerSink(Protocol):
@@ -70,6 +142,7 @@ class KubernetesDiscovery:
         self.workers: dict[str, WorkerConfig] = {}  # pod name -> the worker registered for it
         self.lists = 0  # LIST calls made (each start, and each 410)
         self._problems: dict[str, str] = {}  # pod -> why it is not a worker (logged once)
+        self._notes: dict[str, list[str]] = {}  # pod -> its role warnings (logged once)
         self._lock = asyncio.Lock()
         self._dirty: set[str] = set()  # pods changed since their reconcile task read them
         self._tasks: dict[str, asyncio.Task[None]] = {}  # pod -> its reconcile task
@@ -202,7 +275,9 @@ class KubernetesDiscovery:
                 pod = self.pods.get(name)
                 want: WorkerConfig | None = None
                 why = None
-                if pod is not None and pod_ready(pod):
+                if pod is None:
+                    self._notes.pop(name, None)
+                elif pod_ready(pod):
                     try:
                         want = await self._describe(pod, self._http)
                     except PodNotUsable as e:
@@ -248,10 +323,16 @@ class KubernetesDiscovery:
 
     async def _describe(self, pod: Any, http: Any) -> WorkerConfig:
         s = self.settings
-        if s.endpoints != "kv_event_sources":
-            return worker_for_pod(pod, s)
-        base = worker_for_pod(pod, s)  # the HTTP port (annotation or default)
-        return worker_for_pod(pod, s, await fetch_sources(http, base.base_url, s.timeout_s))
+        base = worker_for_pod(pod, s)  # (with kv_event_sources: the HTTP port)
+        if s.endpoints == "kv_event_sources":
+            base = worker_for_pod(pod, s, await fetch_sources(http, base.base_url, s.timeout_s))
+        cfg, warnings = with_role(base, pod)
+        name = cfg.id
+        if warnings != self._notes.get(name, []):
+            for w in warnings:
+                log.warning("kubernetes discovery: pod %s: %s", name, w)
+        self._notes[name] = warnings
+        return cfg
 
     def _problem(self, name: str, why: str) -> None:
         if self._problems.get(name) != why:

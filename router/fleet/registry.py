@@ -4,6 +4,10 @@ request (candidate workers per model, EXTERNAL pool groups). Pure state, event-l
 no I/O — :mod:`router.fleet.health` checks the workers and writes their health here, and the
 placement core reads it through :class:`router.placement.ports.FleetView`.
 
+A worker has a role (``WorkerConfig.role``: ``prefill``, ``decode`` or ``both``, the default);
+index, load and health stay per worker whatever its role. :meth:`Registry.lacking_roles` is the
+readiness rule of a fleet with roles (``/ready``).
+
 A new worker starts healthy so it can take traffic before the first check. Health is active (the
 checker: ``unhealthy_after`` consecutive failures mark a worker down, one success brings it back)
 and passive (the proxy reports a connection failure, which marks the worker down at once).
@@ -149,6 +153,26 @@ class Registry:
         if st.last_routed_at is None or self.clock() - st.last_routed_at > limit:
             return False
         return since_last_event is None or since_last_event > limit
+
+    def lacking_roles(self, stream_live: Callable[[str], bool]) -> list[str]:
+        """What a fleet with roles lacks to serve a request now (``[]``: nothing), a worker
+        being *routable* when healthy and ``stream_live(id)`` (its event stream replayed and
+        live): a routable worker that decodes (``decode`` or ``both``), ``"decode"`` else; and
+        when the fleet has ``prefill`` workers but no ``both`` one, a routable ``prefill``
+        worker, ``"prefill"`` else. A fleet of ``both`` workers only (or none) lacks nothing
+        here: its readiness is the one rule of any fleet (some routable worker), unchanged."""
+        roles = {st.config.role for st in self.workers.values()}
+        if roles <= {"both"}:
+            return []
+        routable = {
+            st.config.role for st in self.workers.values() if st.healthy and stream_live(st.id)
+        }
+        lacking = []
+        if not routable & {"decode", "both"}:
+            lacking.append("decode")
+        if "prefill" in roles and "both" not in roles and "prefill" not in routable:
+            lacking.append("prefill")
+        return lacking
 
     def states(self) -> Iterable[WorkerState]:
         return self.workers.values()

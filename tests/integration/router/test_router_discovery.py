@@ -11,9 +11,11 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import httpx
 import pytest
 from router_fakeapi import FakeApiServer, make_pod
 from router_fakeworker import FakeWorker, ServerHandle, wait_for
+from router_pdworker import PdFleet
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -55,7 +57,9 @@ async def discovering() -> AsyncIterator[Callable[..., Awaitable[Runtime]]]:
     """A router whose only workers come from discovery against ``api``."""
     servers: list[ServerHandle] = []
 
-    async def make(api: FakeApiServer, **discovery: Any) -> Runtime:
+    async def make(
+        api: FakeApiServer, *, settings: dict[str, Any] | None = None, **discovery: Any
+    ) -> Runtime:
         disc = {
             "enabled": True,
             "api_server": api.url,
@@ -66,15 +70,25 @@ async def discovering() -> AsyncIterator[Callable[..., Awaitable[Runtime]]]:
         disc.update(discovery)
         settings = load_settings(
             environ={},
-            overrides={"health": {"interval_s": 0.2}, "kubernetes": {"discovery": disc}},
+            overrides={
+                "health": {"interval_s": 0.2},
+                "kubernetes": {"discovery": disc},
+                **(settings or {}),
+            },
         )
         app = create_app(settings)
         servers.append(await ServerHandle(app, router=True).start())
+        ROUTER_URLS[id(app.state.kv)] = servers[-1].url
         return app.state.kv  # type: ignore[no-any-return]
 
     yield make
     for s in servers:
         await s.stop()
+    ROUTER_URLS.clear()
+
+
+#: id(Runtime) -> the URL its router serves on (made by ``discovering``)
+ROUTER_URLS: dict[int, str] = {}
 
 
 def ids(state: Runtime) -> set[str]:
@@ -315,3 +329,98 @@ async def test_hostile_kv_event_sources_delay_no_other_pod_and_are_refused(
         never.set()
         for srv in servers:
             await srv.stop()
+
+
+def role_pod(name: str, w: FakeWorker, role: str | None, **ann: str) -> dict[str, Any]:
+    """A pod of ``w`` labelled ``llm-d.ai/role: role`` (no label: None), extra annotations."""
+    labels = {"app": "vllm"} if role is None else {"app": "vllm", "llm-d.ai/role": role}
+    return make_pod(name, labels=labels, annotations={**annotations(w), **ann})
+
+
+async def test_pod_roles_from_llm_d_labels_and_bootstrap_ports_from_annotations(
+    api, discovering, workers, caplog
+):
+    """``llm-d.ai/role`` as llm-d reads it, the SGLang bootstrap port from its annotation; an
+    unknown role is ``both`` and a malformed port none, each warned about once per pod; an
+    encoder pod is no worker; a pod whose label changes is re-registered with its new role."""
+    caplog.set_level(logging.WARNING, logger="kvrouter.discovery")
+    ws = [await workers(f"w{i}") for i in range(7)]
+    fake = await api()
+    sg = "sglang.ai/bootstrap-port"
+    fake.put(role_pod("pre", ws[0], "prefill", **{sg: "8998"}))
+    fake.put(role_pod("dec", ws[1], "decode"))
+    fake.put(role_pod("agg", ws[2], "prefill-decode"))
+    fake.put(role_pod("plain", ws[3], None, **{"vllm.ai/bootstrap-port": "9000"}))
+    fake.put(role_pod("odd", ws[4], "router"))
+    fake.put(role_pod("badport", ws[5], "prefill", **{sg: "eighty"}))
+    fake.put(role_pod("enc", ws[6], "encode"))
+    state = await discovering(fake)
+    want = {"pre", "dec", "agg", "plain", "odd", "badport"}
+    await wait_for(lambda: ids(state) == want, 10, "the role pods discovered")
+
+    def of(name: str) -> tuple[str, int | None]:
+        cfg = state.registry.workers[name].config
+        return cfg.role, cfg.bootstrap_port
+
+    assert {n: of(n) for n in want} == {
+        "pre": ("prefill", 8998),
+        "dec": ("decode", None),
+        "agg": ("both", None),
+        "plain": ("both", 9000),
+        "odd": ("both", None),
+        "badport": ("prefill", None),
+    }
+
+    def warned(pod: str, what: str) -> int:
+        return sum(
+            f"pod {pod}" in r.getMessage() and what in r.getMessage() for r in caplog.records
+        )
+
+    await wait_for(lambda: warned("enc", "encode") == 1, 10, "the encoder refused")
+    assert warned("odd", "llm-d.ai/role='router'") == 1
+    assert warned("badport", "sglang.ai/bootstrap-port='eighty'") == 1
+    # the same pod again (a status update): no second warning, the same worker
+    before = len(fake.watches)
+    fake.put(role_pod("odd", ws[4], "router", other="1"))
+    fake.put(role_pod("badport", ws[5], "prefill", **{sg: "eighty"}, other="1"))
+    fake.put(role_pod("flip", ws[6], "decode"))  # a marker: once it is in, the others were read
+    await wait_for(lambda: "flip" in ids(state), 10, "the marker pod discovered")
+    assert len(fake.watches) == before
+    assert warned("odd", "llm-d.ai/role") == 1 and warned("badport", "bootstrap-port") == 1
+    # a pod's role changes: its worker is registered again with the new one
+    fake.put(role_pod("dec", ws[1], "prefill", **{sg: "8999"}))
+    await wait_for(lambda: of("dec") == ("prefill", 8999), 10, "dec re-registered as prefill")
+
+
+async def test_discovered_prefill_and_decode_pods_serve_a_disaggregated_request(
+    api, discovering, zctx
+):
+    """Pods labelled prefill and decode become a PD fleet: a request through the router's
+    proxy is prefilled on the prefill pod's worker and decoded on the decode pod's."""
+    fleet = PdFleet(zctx)
+    try:
+        p = await fleet.nixl_prefill("p0")
+        d = await fleet.nixl_decode("d0")
+        fake = await api()
+        fake.put(role_pod("vllm-prefill-0", p, "prefill"))
+        fake.put(role_pod("vllm-decode-0", d, "decode"))
+        state = await discovering(fake, settings={"pd": {"mode": "always", "protocol": "nixl"}})
+        both = {"vllm-prefill-0", "vllm-decode-0"}
+        await wait_for(lambda: ids(state) == both and state.all_ready(), 10, "the PD fleet")
+        async with httpx.AsyncClient(timeout=15.0, trust_env=False) as http:
+            router_url = ROUTER_URLS[id(state)]
+            assert (await http.get(router_url + "/ready")).status_code == 200
+            body = {"model": "fake-model", "prompt": "You are careful. " * 20, "max_tokens": 4}
+            resp = await http.post(router_url + "/v1/completions", json=body)
+            assert resp.status_code == 200, resp.text
+            assert resp.headers["x-kvrouter-worker"] == "vllm-decode-0"
+            assert resp.headers["x-kvrouter-prefill-worker"] == "vllm-prefill-0"
+            assert [s.outcome for s in p.seen] == ["prefill"]
+            assert [s.outcome for s in d.seen] == ["served_remote"]
+            assert resp.json()["choices"][0]["text"] == "tok tok tok tok"
+            # the prefill pod goes: a fleet of decode pods only is still ready (local prefill)
+            fake.delete("vllm-prefill-0")
+            await wait_for(lambda: ids(state) == {"vllm-decode-0"}, 10, "the prefill pod gone")
+            assert (await http.get(router_url + "/ready")).status_code == 200
+    finally:
+        await fleet.aclose()
