@@ -8,7 +8,13 @@ import pytest
 
 from router.cli import build_parser, settings_from_args
 from router.errors import ConfigError
-from router.settings import DEFAULT_TIER_WEIGHTS, Settings, load_settings, parse_worker_spec
+from router.settings import (
+    DEFAULT_TIER_WEIGHTS,
+    Settings,
+    WorkerConfig,
+    load_settings,
+    parse_worker_spec,
+)
 
 ROOT = Path(__file__).resolve().parents[4]
 
@@ -27,12 +33,16 @@ def test_example_config_documents_every_key_and_loads():
     assert [w.id for w in s.workers] == ["w0", "w1"]
     assert s.workers[1].dp_ranks == 2 and s.workers[1].pool == "shared-redis"
     text = path.read_text()
-    for section in ("server", "proxy", "health", "scoring", "route", "subscriber", "snapshot"):
+    sections = ("server", "proxy", "health", "scoring", "route", "subscriber", "snapshot", "pd")
+    for section in sections:
         sub = getattr(Settings(), section)
         for key in sub.__struct_fields__:
             assert f"{key}:" in text, f"{section}.{key} undocumented"
     for key in Settings.__struct_fields__:
         assert f"{key}:" in text, f"{key} undocumented"
+    workers = text[text.index("\nworkers:") :]
+    for key in WorkerConfig.__struct_fields__:
+        assert f" {key}:" in workers, f"workers[].{key} undocumented"
 
 
 def test_yaml_then_env_then_flags(tmp_path):
