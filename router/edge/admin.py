@@ -35,16 +35,7 @@ __all__ = [
 _JSON = "application/json"
 
 
-class _WorkerRoleIn(WorkerIn):
-    """``POST /workers`` with a worker's role (``prefill``, ``decode`` or ``both``, the default)
-    and, for SGLang's prefill/decode exchange, its ``bootstrap_port`` (the names of a
-    ``workers:`` entry)."""
-
-    role: str = "both"
-    bootstrap_port: int | None = None
-
-
-_WORKER_FIELDS = _WorkerRoleIn.__struct_fields__  # each a WorkerConfig field of that name
+_WORKER_FIELDS = WorkerIn.__struct_fields__  # each a WorkerConfig field of that name
 
 
 def _json(obj: Any, status: int = 200) -> Response:
@@ -150,7 +141,7 @@ async def list_workers(request: Request) -> Response:
 async def add_worker(request: Request) -> Response:
     state = _state(request)
     _require_admin(state, request)
-    w = decode(await read_body(request, 65536), _WorkerRoleIn)
+    w = decode(await read_body(request, 65536), WorkerIn)
     try:
         cfg = WorkerConfig(**{f: getattr(w, f) for f in _WORKER_FIELDS})
     except ValueError as e:  # __post_init__ checks: "`url` must be an http(s) URL"
@@ -175,17 +166,8 @@ async def health(request: Request) -> Response:
 
 
 async def ready(request: Request) -> Response:
-    """Ready: not draining and some routable worker (healthy, its event stream live:
-    ``Runtime.ready``); in a fleet with roles, a routable decode worker and, when the fleet has
-    prefill workers and no ``both`` one, a routable prefill worker (``Registry.lacking_roles``,
-    named in ``waiting_for``)."""
-    state = _state(request)
-    ok, waiting = state.ready()
-    if not state.draining:
-        lacking = state.registry.lacking_roles(state.subscriber.worker_ready)
-        if lacking:
-            ok = False
-            waiting = [*waiting, *(f"a routable {role} worker" for role in lacking)]
+    """``Runtime.ready``: what the EPP's gRPC health check answers too."""
+    ok, waiting = _state(request).ready()
     return _json({"ready": ok, "waiting_for": waiting}, status=200 if ok else 503)
 
 

@@ -109,6 +109,9 @@ class WorkerIn(msgspec.Struct, forbid_unknown_fields=True):
     dp_ranks: int = 1
     pool: str | None = None
     model: str = ""
+    #: prefill, decode or both (the default); SGLang PD: the prefill worker's bootstrap port
+    role: str = "both"
+    bootstrap_port: int | None = None
 
 
 class CandidateOut(msgspec.Struct, gc=False):

@@ -232,13 +232,18 @@ class Runtime:
 
     def ready(self) -> tuple[bool, list[str]]:
         """Readiness: not draining, and at least one healthy worker whose event stream is live
-        (one stuck worker must not take every replica out of its Service); also the workers
-        still waiting for their stream, for the operator."""
-        waiting = [w for w in self.registry.workers if not self.subscriber.worker_ready(w)]
+        (one stuck worker must not take every replica out of its Service); in a fleet with
+        roles, one that decodes and, when the fleet has prefill workers and no ``both`` one, a
+        prefill one (``Registry.lacking_roles``). Also what it waits for, for the operator: the
+        workers whose stream is not live yet, and each role lacking."""
+        worker_ready = self.subscriber.worker_ready
+        waiting = [w for w in self.registry.workers if not worker_ready(w)]
         if self.draining:
             return False, ["draining"]
         live = any(st.healthy and st.id not in waiting for st in self.registry.workers.values())
-        return live, waiting
+        lacking = self.registry.lacking_roles(worker_ready)
+        waiting += [f"a routable {role} worker" for role in lacking]
+        return live and not lacking, waiting
 
     def all_ready(self) -> bool:
         """Every configured worker's event stream is connected and replayed."""
