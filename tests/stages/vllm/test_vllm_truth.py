@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,69 +20,7 @@ from tests.waiting import poll
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_model import make_tiny_llama, words
-
-ROOT = Path(__file__).resolve().parents[3]
-VLLM_PYTHON = os.environ.get("VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python"))
-PAGE = 32  # vLLM's CPU backend takes multiples of 32
-BS = 16  # the router's block: two per vLLM page, so credit must be rounded to whole pages
-KEY = "stage-admin"
-AUTH = {"Authorization": f"Bearer {KEY}"}
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Vllm:
-    def __init__(self, model: Path, log: Path, page: int = PAGE, *args: str) -> None:
-        self.model, self.log, self.page, self.args = model, log, page, args
-        self.port, self.events, self.replay = _port(), _port(), _port()
-        self.proc: subprocess.Popen[bytes] | None = None
-        self._out: Any = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_SERVER_DEV_MODE="1")
-        cfg = (
-            '{"enable_kv_cache_events": true, "publisher": "zmq", '
-            f'"endpoint": "tcp://*:{self.events}", "replay_endpoint": "tcp://*:{self.replay}"}}'
-        )
-        if self._out is None:
-            self._out = open(self.log, "ab")  # noqa: SIM115 - closed by stop(final=True)
-        self.proc = subprocess.Popen(
-            [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
-             "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(self.port),
-             "--block-size", str(self.page), "--max-model-len", "2048", "--dtype", "float32",
-             "--enable-prefix-caching", "--enable-prompt-tokens-details",
-             "--kv-events-config", cfg, *self.args],
-            stdout=self._out, stderr=subprocess.STDOUT, env=env,
-            start_new_session=True,
-        )  # fmt: skip
-
-        def up() -> bool:
-            assert self.proc is not None and self.proc.poll() is None, self.log.read_text()[-3000:]
-            try:
-                return httpx.get(self.url + "/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        poll(up, 300, "vLLM to start")
-
-    def stop(self, final: bool = False) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        if final and self._out is not None:
-            self._out.close()
+from vllm_server import AUTH, BS, PAGE, Vllm, start_router
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +29,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Vllm, str]
     vllm = Vllm(make_tiny_llama(tmp / "tiny-llama"), tmp / "vllm.log")
     vllm.start()
     try:
-        router, url = _router(vllm)
+        router, url = start_router(vllm)
         try:
             yield vllm, url
         finally:
@@ -217,25 +153,6 @@ def test_restarted_vllm_is_not_routed_on_its_old_cache(fleet) -> None:
     assert cached(again) == 0
 
 
-def _router(vllm: Vllm, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
-    """``python -m router serve`` in front of ``vllm``, given only its URL: the event endpoints
-    come from vLLM's ``GET /kv_event_sources``."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), KVROUTER_ADMIN_KEY=KEY)
-    with open(vllm.log.with_name("router.log"), "ab") as err:  # the child keeps its own copy
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "router", "serve", "--port", "0", "--block-size", str(BS),
-             "--tokenizer", f"hf:{vllm.model}", "--worker", f"id=v0,url={vllm.url}", *extra],
-            stdout=subprocess.PIPE, stderr=err, env=env, start_new_session=True,
-        )  # fmt: skip
-    assert proc.stdout is not None
-    line = proc.stdout.readline().decode()
-    proc.stdout.close()
-    assert "listening on" in line, vllm.log.with_name("router.log").read_text()[-3000:]
-    url = line.rsplit(" ", 1)[1].strip()
-    poll(lambda: httpx.get(url + "/ready").status_code == 200, 60, "router ready")
-    return proc, url
-
-
 def test_snapshot_resume_meets_a_restarted_vllm(fleet, tmp_path) -> None:
     """A router restored from its snapshot while vLLM restarted in between: the snapshot's
     blocks belong to the old process and must not be credited."""
@@ -243,7 +160,7 @@ def test_snapshot_resume_meets_a_restarted_vllm(fleet, tmp_path) -> None:
     cfg = tmp_path / "r.yaml"
     cfg.write_text(f"snapshot:\n  path: {tmp_path / 'index.snap'}\n  interval_s: 3600\n")
     prompt = words(260, seed=8)
-    first, url = _router(vllm, "--config", str(cfg))
+    first, url = start_router(vllm, "--config", str(cfg))
     try:
         complete(url, prompt)
         poll(lambda: matched_tokens(url, prompt) > 0, 30, "blocks indexed")
@@ -253,7 +170,7 @@ def test_snapshot_resume_meets_a_restarted_vllm(fleet, tmp_path) -> None:
     assert (tmp_path / "index.snap").exists()
     vllm.stop()
     vllm.start()
-    second, url = _router(vllm, "--config", str(cfg))
+    second, url = start_router(vllm, "--config", str(cfg))
     try:
         poll(lambda: matched_tokens(url, prompt) == 0, 60, "the snapshot's stale blocks dropped")
         w = httpx.get(url + "/workers", headers=AUTH).json()["workers"][0]
@@ -269,7 +186,7 @@ def test_page_128_credit_is_whole_pages(tmp_path) -> None:
     vllm = Vllm(make_tiny_llama(tmp_path / "tiny-llama"), tmp_path / "vllm.log", page=128)
     vllm.start()
     try:
-        router, url = _router(vllm)
+        router, url = start_router(vllm)
         try:
             prompt = words(300, seed=10)  # 300 tokens: 18 router blocks, 2 whole pages (256)
             complete(url, prompt)
@@ -320,7 +237,7 @@ def test_duplicate_store_outlives_one_removal(tmp_path) -> None:
         return got
 
     try:
-        router, url = _router(vllm)
+        router, url = start_router(vllm)
         try:
             # Requests go to vLLM directly: the router learns of them from events only, with no
             # prediction of its own to cover a block it dropped. The subscription is live once
