@@ -705,3 +705,36 @@ async def test_a_prefill_engine_that_restarted_is_a_new_epoch(pd, router, client
     text = (await client.get(r.url + "/metrics")).text
     assert metric(text, "kvrouter_pd_prefill_restarts_total") == 1  # (the first id is no restart)
     await settled(r)
+
+
+async def test_shared_storage_legs_carry_no_params(pd, router, client):
+    # vLLM's ExampleConnector: the prefill worker writes the KV where the decode worker finds
+    # it by the prompt; the legs are nixl's, without kv_transfer_params
+    p = await pd.nixl_prefill("p0")
+    d = await pd.nixl_decode("d0")
+    r = await router([p, d], pd={"mode": "always", "protocol": "shared_storage"})
+    raw = b'{"prompt": "' + (PREFIX + "one").encode() + b'", "max_tokens": 4, "stream": true}'
+    resp = await post(client, r, raw)
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-kvrouter-pd"] == "remote"
+    assert resp.headers["x-kvrouter-prefill-worker"] == "p0"
+    sent = json.loads(raw)
+    assert p.seen[0].body == {**sent, "max_tokens": 1, "max_completion_tokens": 1, "stream": False}
+    assert [s.raw for s in d.seen] == [raw]  # the client's own bytes
+    await settled(r)
+
+
+async def test_an_accounted_route_holds_both_legs_until_released(pd, router, client):
+    p = await pd.nixl_prefill("p0")
+    d = await pd.nixl_decode("d0")
+    r = await router([p, d], pd=ALWAYS)
+    ans = await client.post(r.url + "/route", json={"prompt": PREFIX + "one", "account": True})
+    assert ans.status_code == 200 and ans.headers["x-kvrouter-pd"] == "remote"
+    load = r.state.placer.load
+    lp, ld = load.get(("p0", 0)), load.get(("d0", 0))
+    assert lp is not None and lp.inflight_prefill == BLOCKS  # P builds it
+    assert ld is not None and ld.inflight_prefill == 0 and ld.requests == 1  # D holds it
+    rid = ans.json()["route_id"]
+    released = await client.post(f"{r.url}/route/{rid}/release")
+    assert released.status_code == 200, released.text
+    await settled(r)
