@@ -23,6 +23,7 @@ from starlette.responses import Response
 from indexer.hashing import chain_hashes
 from indexer.hashing import chain_hashes_json as _hash_json
 from router.edge.bodycheck import check_shape, check_utf8, too_deep
+from router.edge.legs import PdOut
 from router.errors import (
     BadRequest,
     PayloadTooLarge,
@@ -67,16 +68,22 @@ class RouteRequest(msgspec.Struct):
     account: bool = False
 
 
+#: a field only the router sets (the API description says so)
+_Refused = Annotated[
+    Any, msgspec.Meta(description="set by the router only: a request with it gets 400")
+]
+
+
 class _OpenAIBody(msgspec.Struct):
     """What both OpenAI bodies carry that the router reads: ``n`` (several answers: one leg on
     the decode worker) and the fields that steer a KV transfer, which only the router may set
     (:data:`router.edge.legs.STEERING`: a client sending one gets 400)."""
 
     n: int | None = None
-    kv_transfer_params: Any = None
-    bootstrap_host: Any = None
-    bootstrap_port: Any = None
-    bootstrap_room: Any = None
+    kv_transfer_params: _Refused = None
+    bootstrap_host: _Refused = None
+    bootstrap_port: _Refused = None
+    bootstrap_room: _Refused = None
 
 
 class CompletionBody(_OpenAIBody):
@@ -142,8 +149,8 @@ class RouteOut(msgspec.Struct, omit_defaults=True, gc=False):
     #: "Changes" lists it
     cached_blocks: int = 0
     route_id: str | None = None
-    #: a disaggregated fleet's decision and legs (router.edge.legs.PdOut)
-    pd: Any = None
+    #: a disaggregated fleet's decision and legs
+    pd: PdOut | None = None
 
 
 _decoders: dict[type, tuple[msgspec.json.Decoder[Any], frozenset[str]]] = {}
