@@ -153,7 +153,7 @@ async def fetch_sources(http: UpstreamPool, base_url: str, timeout_s: float) -> 
         raise PodNotUsable(f"GET {url} answered {status}")
     try:
         return decode_sources(bytes(body))
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:  # (msgspec's own for bad UTF-8)
         raise PodNotUsable(f"GET {url}: not a list of KV event sources: {e}") from e
 
 

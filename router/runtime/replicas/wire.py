@@ -32,4 +32,14 @@ class SyncMessage(msgspec.Struct, array_like=True):
 
 
 encode = msgspec.msgpack.Encoder().encode
-decode = msgspec.msgpack.Decoder(SyncMessage).decode
+_decode = msgspec.msgpack.Decoder(SyncMessage).decode
+
+
+def decode(frame: bytes) -> SyncMessage:
+    """One frame as a :class:`SyncMessage`; raises :class:`msgspec.DecodeError` and nothing
+    else: msgspec reports a string that is not UTF-8 as ``UnicodeDecodeError``, which no caller
+    would expect (a 4-byte frame of one such string ended the sync task)."""
+    try:
+        return _decode(frame)
+    except UnicodeDecodeError as e:
+        raise msgspec.DecodeError(f"a string that is not UTF-8: {e}") from e

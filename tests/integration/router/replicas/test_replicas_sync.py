@@ -17,7 +17,7 @@ import zmq.asyncio
 from replica_procs import ADMIN, RouterProc, candidate, metric, ready, route, until
 
 from router.placement import Ended
-from router.runtime.replicas.wire import decode
+from router.runtime.replicas.wire import VERSION, SyncMessage, decode, encode
 
 BS = 16
 
@@ -241,3 +241,39 @@ async def test_a_dead_peer_never_blocks_placement_and_its_tickets_end(workers, h
         assert resp.status_code == 200
     finally:
         await asyncio.gather(one.stop(), two.stop())
+
+
+async def test_a_frame_that_is_not_utf8_is_dropped_and_sync_goes_on(workers, http, tmp_path):
+    """Issue 37, 1: a peer's 4-byte frame (a msgpack str that is not UTF-8) ended the sync task;
+    it is one malformed message, counted and dropped, and the replica keeps hearing peers."""
+    ws = [await workers("a")]
+    ctx = zmq.asyncio.Context()
+    evil, good = ctx.socket(zmq.PUB), ctx.socket(zmq.PUB)
+    evil_ep, good_ep = f"ipc://{tmp_path}/evil.sock", f"ipc://{tmp_path}/good.sock"
+    evil.bind(evil_ep)
+    good.bind(good_ep)
+    one = await RouterProc.start(
+        tmp_path, "one", sync_config(ws, f"ipc://{tmp_path}/one.sock", [evil_ep, good_ep])
+    )
+    try:
+        await until(lambda: ready(http, one.url), 30, "one ready")
+
+        async def dropped() -> float:  # (a SUB joins late: send until one is counted)
+            await evil.send(bytes.fromhex("9501a1ff"))
+            return await metric(
+                http, one.url, "kvrouter_replica_sync_dropped_total", reason="malformed"
+            )
+
+        await until(dropped, 20, "the frame counted as malformed")
+        seq = 0
+
+        async def heard() -> float:  # the task still runs: a real peer's heartbeat is applied
+            nonlocal seq
+            await good.send(encode(SyncMessage(VERSION, "good-peer", seq, BS, [])))
+            seq += 1
+            return await metric(http, one.url, "kvrouter_replica_peers")
+
+        assert await until(heard, 20, "the good peer heard") == 1
+    finally:
+        await one.stop()
+        ctx.destroy(linger=0)

@@ -9,9 +9,11 @@ from typing import Any
 
 import msgspec
 import pytest
+from aiohttp import web
 from lightkube.resources.core_v1 import Pod
 
-from router.fleet.pods import EventSource, PodNotUsable, pod_ready, worker_for_pod
+from router.fleet.pods import EventSource, PodNotUsable, fetch_sources, pod_ready, worker_for_pod
+from router.fleet.upstream import UpstreamPool
 from router.settings import DiscoverySettings
 
 S = DiscoverySettings(enabled=True)
@@ -145,3 +147,26 @@ def test_no_kubernetes_api_access_fails_the_start_by_name(tmp_path, monkeypatch)
     settings = load_settings(environ={}, overrides={"kubernetes": {"discovery": {"enabled": True}}})
     with pytest.raises(ConfigError, match=r"kubernetes\.discovery: no Kubernetes API access"):
         create_app(settings)
+
+
+async def test_kv_event_sources_that_are_not_utf8_make_the_pod_unusable() -> None:
+    """Issue 37, 1 (the same hole as replica sync's): msgspec reports a JSON string that is not
+    UTF-8 as ``UnicodeDecodeError``; a worker answering one is refused, nothing else breaks."""
+
+    async def sources(request: web.Request) -> web.Response:
+        return web.Response(body=b'[{"endpoint": "tcp://\xff"}]', content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/kv_event_sources", sources)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    pool = UpstreamPool(connect_s=2, read_s=2, write_s=2)
+    try:
+        with pytest.raises(PodNotUsable, match="not a list of KV event sources"):
+            await fetch_sources(pool, f"http://127.0.0.1:{port}", 2.0)
+    finally:
+        await pool.aclose()
+        await runner.cleanup()
