@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from functools import partial
+from typing import Annotated
 
 import msgspec
 
@@ -31,6 +32,10 @@ __all__ = [
 
 FORMAT = "kvrouter-index-snapshot/1"
 _EH = int | bytes
+#: a router hash (indexer.hashing: 64 bits, unsigned; msgpack holds no wider int): a peer's
+#: snapshot may hold anything, and the C presence table takes only these (a negative one
+#: raised OverflowError past the decoder)
+_RH = Annotated[int, msgspec.Meta(ge=0)]
 
 
 class _RBlock(msgspec.Struct, array_like=True):
@@ -48,10 +53,10 @@ class _WorkerSnap(msgspec.Struct):
     model: str
     seq: int | None
     engine_hashes: list[_EH]
-    router_hashes: list[int]
+    router_hashes: list[_RH]
     tiers: list[int]
     rechunk: list[_RBlock] = []
-    cover: list[tuple[int, list[_EH]]] = []
+    cover: list[tuple[_RH, list[_EH]]] = []
     #: ``ts`` of the batch ``seq`` names (a new publisher process is told by another ts).
     ts: float | None = None
     #: (engine hash, tier, stores beyond the first)
@@ -181,7 +186,7 @@ def decode_snapshot(
     rank's resume point; :class:`SnapshotError` for anything else."""
     try:
         snap = _decoder.decode(data)
-    except msgspec.DecodeError as exc:  # (a ValidationError is a DecodeError)
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # (msgspec's, for bad UTF-8)
         raise SnapshotError(f"cannot read {what}: {exc}") from exc
     if snap.format != FORMAT:
         raise SnapshotError(f"snapshot format {snap.format!r} is not {FORMAT!r}")

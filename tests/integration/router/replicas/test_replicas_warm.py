@@ -12,6 +12,8 @@ import time
 from collections import deque
 from typing import Any
 
+import msgspec
+from aiohttp import web
 from replica_procs import ADMIN, RouterProc, ready, route, until
 
 from router.runtime.replicas import SNAPSHOT_PATH, SNAPSHOT_TYPE
@@ -131,3 +133,45 @@ def _logged(r: RouterProc, text: str) -> Any:
         return text in r.log()
 
     return cond
+
+
+async def test_a_poisoned_snapshot_is_refused_and_the_replica_starts_cold(workers, http, tmp_path):
+    """Issue 37, 2: one negative router hash in a peer's snapshot made a starting replica exit
+    (the C presence table's OverflowError escaped the warm start): a corrupt peer crash-looped
+    every new replica. The decoder bounds router hashes; the replica starts cold."""
+    a = await workers("a")
+    a.store(toks(7, 4))
+    peer = await RouterProc.start(tmp_path, "peer", config([a]))
+    made = [peer]
+    runner = None
+    try:
+        await until(lambda: ready(http, peer.url), 30, "peer ready")
+        await until(lambda: _holds(http, peer.url, toks(7, 4)), 20, "the peer's index")
+        snap = (await http.get(peer.url + SNAPSHOT_PATH, headers=ADMIN)).content
+        obj = msgspec.msgpack.decode(snap)
+        assert obj["workers"][0]["router_hashes"]
+        obj["workers"][0]["router_hashes"][0] = -5
+        poisoned = msgspec.msgpack.encode(obj)
+
+        async def serve(request: web.Request) -> web.Response:
+            return web.Response(body=poisoned, content_type=SNAPSHOT_TYPE)
+
+        app = web.Application()
+        app.router.add_get(SNAPSHOT_PATH, serve)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        r = await RouterProc.start(tmp_path, "r", config([a], warm_from=[url]))
+        made.append(r)
+        await until(lambda: ready(http, r.url), 30, "the replica ready")
+        assert "not a usable index snapshot" in r.log() and "starting cold" in r.log()
+    finally:
+        await asyncio.gather(*(x.stop() for x in made))
+        if runner is not None:
+            await runner.cleanup()
+
+
+async def _holds(http: Any, url: str, tokens: list[int]) -> bool:
+    return bool((await route(http, url, tokens))["matched_blocks"])
