@@ -21,6 +21,9 @@ class EppSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     tls_key: str | None = None
     max_streams: int = 4096
     stream_timeout_s: float = 30.0
+    #: after the pick, the longest silence between two messages of the answer's phase (its
+    #: head, a chunk, its end; with the answer's body off the picker: the whole answer)
+    response_timeout_s: float = 600.0
     fallbacks: int = 0
     shutdown_grace_s: float = 5.0
 
@@ -33,5 +36,6 @@ class EppSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
             _check(path is None or os.path.isfile(path), k, "must be a readable PEM file")
         _check(self.max_streams >= 1, "max_streams", "must be >= 1")
         _check(self.stream_timeout_s > 0, "stream_timeout_s", "must be > 0")
+        _check(self.response_timeout_s > 0, "response_timeout_s", "must be > 0")
         _check(0 <= self.fallbacks <= 16, "fallbacks", "must be between 0 and 16")
         _check(self.shutdown_grace_s >= 0, "shutdown_grace_s", "must be >= 0")

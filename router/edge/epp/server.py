@@ -83,6 +83,10 @@ class EppServer:
             options=[
                 ("grpc.so_reuseport", 0),  # a port in use is an error, never shared
                 ("grpc.max_receive_message_length", max_message),
+                # a partitioned Envoy's connection is found by an unanswered ping and closed,
+                # its streams (and flights) with it; epp.response_timeout_s bounds a live one
+                ("grpc.keepalive_time_ms", 60_000),
+                ("grpc.keepalive_timeout_ms", 20_000),
             ]
         )
         process = grpc.stream_stream_rpc_method_handler(

@@ -26,7 +26,7 @@ protocol break (``protocol_error``). One access-log line per stream.
 from __future__ import annotations
 
 import asyncio
-import sys
+import logging
 import time
 from collections.abc import Awaitable, Callable
 
@@ -34,6 +34,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
 
 from router.edge.access import request_id, write_access
 from router.edge.door import enter, pick_headers
+from router.edge.epp.deadline import Deadline
 from router.edge.epp.errors import ProtocolError
 from router.edge.epp.messages import (
     Reply,
@@ -62,6 +63,8 @@ from router.runtime import Runtime
 
 __all__ = ["EppStream", "Read", "Write"]
 
+log = logging.getLogger("kvrouter.epp")
+
 #: the next message of the stream; None once Envoy closed its side
 Read = Callable[[], Awaitable[ProcessingRequest | None]]
 #: send one answer (serialized: :mod:`router.edge.epp.messages` builds them so)
@@ -85,21 +88,16 @@ class EppStream:
     (the server is past ``epp.max_streams``)."""
 
     def __init__(self, state: Runtime, read: Read, write: Write, *, refuse: bool = False) -> None:
-        self.state = state
-        self.read = read
-        self.write = write
+        self.state, self.read, self.write = state, read, write
         self.refuse = refuse
         self.t0 = time.perf_counter()
-        self.method = ""
-        self.path = ""
-        self.rid = b""
+        self.method, self.path, self.rid = "", "", b""
         self.status = 0  # the answer's HTTP status, once known
         self.worker = ""
         self.nbytes = 0  # answer body bytes
         self.ttfb: float | None = None
         self.flight: Flight | None = None
-        #: a remote pick's prefill leg, which the decode worker's sidecar sends: over once
-        #: the decode worker's first byte came
+        #: a remote pick's prefill leg (the decode worker's sidecar sends it)
         self.prefill_flight: Flight | None = None
         self.admission: Admission | None = None
         self.usage = UsageScan()
@@ -138,29 +136,16 @@ class EppStream:
 
     async def _read_in_time(self) -> _Request | None:
         """:meth:`_read_request` within ``epp.stream_timeout_s`` (else :class:`RequestTimeout`):
-        one timer for the whole request, not one per message (``asyncio.wait_for`` would add a
-        task and a timer to every read)."""
-        timeout = self.state.settings.epp.stream_timeout_s
-        task = asyncio.current_task()
-        assert task is not None
-        expired = False
-
-        def expire() -> None:
-            nonlocal expired
-            expired = True
-            task.cancel()
-
-        timer = asyncio.get_running_loop().call_later(timeout, expire)
+        one timer for the whole request."""
+        deadline = Deadline(self.state.settings.epp.stream_timeout_s)
         try:
             return await self._read_request()
         except asyncio.CancelledError:
-            if not expired:
+            if not deadline.fired():
                 raise
-            if sys.version_info >= (3, 11):
-                task.uncancel()  # (the cancel was the timer's, and is handled here)
-            raise RequestTimeout(f"request not received within {timeout:g} s") from None
+            raise RequestTimeout(f"request not received within {deadline.timeout:g} s") from None
         finally:
-            timer.cancel()
+            deadline.cancel()
 
     async def _read_request(self) -> _Request | None:
         """The request's headers, body chunks and trailers; None if Envoy went away first."""
@@ -296,11 +281,27 @@ class EppStream:
     # ------------------------------------------------------------------ response phase
 
     async def _response(self) -> None:
+        """:meth:`_answer`, each of its messages within ``epp.response_timeout_s`` of the one
+        before (from the pick: the answer's head): a stalled or partitioned Envoy that goes
+        silent ends the stream and its flight (``timeout``), never holds them for good."""
+        deadline = Deadline(self.state.settings.epp.response_timeout_s)
+        try:
+            await self._answer(deadline)
+        except asyncio.CancelledError:
+            if not deadline.fired():
+                raise
+            log.warning("EPP stream silent for %g s after the pick: ended", deadline.timeout)
+            self.ending = "timeout"
+        finally:
+            deadline.cancel()
+
+    async def _answer(self, deadline: Deadline) -> None:
         """Pass the answer through, chunk by chunk, until its end or the stream's."""
         flight = self.flight
         assert flight is not None
         while True:
             m = await self.read()
+            deadline.push()
             if m is None:
                 return  # the stream ended: run ends the flight (head only: with the head's status)
             kind = m.WhichOneof("request")

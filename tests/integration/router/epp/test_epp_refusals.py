@@ -239,3 +239,25 @@ async def test_with_the_answer_s_body_off_its_head_is_the_first_byte_its_close_t
     assert metric(text, "kvrouter_proxied_requests_total", worker="a", status="200") == 1
     assert metric(text, "kvrouter_proxied_requests_total", worker="a") == 1
     assert metric(text, "kvrouter_time_to_first_byte_seconds_count", worker="a") == 1
+
+
+async def test_an_envoy_silent_after_the_pick_ends_its_stream_and_flight(workers, epp, http):
+    """Issue 37, 4: a connection that went silent after the pick (a stalled or partitioned
+    Envoy) held its flights for good, until max_inflight made every proxied request 429. Each
+    message of the answer's phase must come within epp.response_timeout_s of the one before."""
+    a = await workers("a")
+    r, envoy = await epp([a], epp={"response_timeout_s": 0.5})
+    held = [await envoy.pick("/v1/completions", completion(f"x{i}")) for i in range(3)]
+    assert all(p.endpoint == endpoint_of(a.url) for p in held)
+    assert r.state.placer.inflight == 3  # picked, and Envoy says nothing more
+    await wait_for(lambda: r.state.placer.inflight == 0, 10, "the silent streams ended")
+    assert not r.state.placer.load.items()
+    text = (await http.get(r.url + "/metrics")).text
+    assert metric(text, "kvrouter_proxied_requests_total", status="timeout") == 3
+    # a stream that keeps talking is not cut: its answer goes through whole
+    p = await envoy.pick("/v1/completions", completion("y"))
+    status, _, _ = await p.forward(http, "/v1/completions", completion("y"), JSON)
+    assert status == 200
+    await wait_for(lambda: r.state.placer.inflight == 0, 10, "answered")
+    for q in held:
+        q.call.cancel()
