@@ -20,14 +20,17 @@ else was sent for ``heartbeat_s``, and ends the tickets of a peer silent for ``p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
+import struct
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import msgspec
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from indexer.subscriber.sockets import DRAIN_CAP, NOBLOCK, receive
 from router.fleet.peers import RouterPods
@@ -44,7 +47,9 @@ log = logging.getLogger("kvrouter.replicas")
 
 #: messages dropped by the receiver or the sender, by reason (the events a message holds are
 #: checked by RemoteTickets, which counts its own: router.placement.remote.DROP_REASONS)
-SYNC_DROP_REASONS = ("malformed", "version", "block_size", "stale", "too_many_peers", "send_failed")
+SYNC_DROP_REASONS = (
+    "malformed", "version", "block_size", "stale", "too_many_peers", "send_failed", "cut_off"
+)  # fmt: skip
 #: a flood of origins (a hostile or broken peer) cannot grow the peer table without bound
 MAX_PEERS = 1024
 #: messages queued per peer on each side before ZMQ drops (PUB) or stops reading (SUB)
@@ -83,6 +88,9 @@ class ReplicaSync:
         self._ctx: zmq.Context[Any] | None = None
         self._pub: zmq.Socket[bytes] | None = None
         self._sub: zmq.Socket[bytes] | None = None
+        #: the SUB's connection events: a peer whose frame broke max_message_bytes is cut off
+        #: by libzmq, which never dials it again (a protocol error): we do
+        self._mon: zmq.Socket[bytes] | None = None
         self._connected: set[str] = set()
         self._static = list(settings.peers)
         self._task: asyncio.Task[None] | None = None
@@ -216,6 +224,7 @@ class ReplicaSync:
         sub.setsockopt(zmq.MAXMSGSIZE, s.max_message_bytes)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         self._sub = sub
+        self._mon = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.set_peers(())
         self._fd: int = sub.getsockopt(zmq.FD)  # type: ignore[assignment]
         self._loop.add_reader(self._fd, self._wakeup)
@@ -270,6 +279,7 @@ class ReplicaSync:
         assert sub is not None and self._loop is not None
         beat = self.settings.heartbeat_s
         while True:
+            self._redial_lost()
             batch = receive(sub)
             now = self.clock()
             for frames in batch:
@@ -290,6 +300,26 @@ class ReplicaSync:
                 timer.cancel()
                 self._wake = None
 
+    def _redial_lost(self) -> None:
+        """Connect again to each peer whose connection dropped (its frame over
+        ``max_message_bytes``, or it went away): counted as ``cut_off``."""
+        mon, sub = self._mon, self._sub
+        if mon is None or sub is None:
+            return
+        for frames in receive(mon):
+            try:
+                ep = parse_monitor_message(frames)["endpoint"].decode()
+            except (KeyError, ValueError, AttributeError, struct.error):
+                continue
+            if ep not in self._connected:
+                continue
+            self.dropped["cut_off"] += 1
+            log.warning("replica sync: connection to peer %s lost: dialling it again", ep)
+            with contextlib.suppress(zmq.ZMQError):  # (the session may be gone already)
+                sub.disconnect(ep)
+            with contextlib.suppress(zmq.ZMQError):
+                sub.connect(ep)
+
     async def aclose(self) -> None:
         for task in (self._task, self._follow):
             if task is not None:
@@ -301,10 +331,13 @@ class ReplicaSync:
             self._flush_at = None
         if self._sub is not None and self._loop is not None:
             self._loop.remove_reader(self._fd)
-        for sock in (self._sub, self._pub):
+        if self._sub is not None and self._mon is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sub.disable_monitor()
+        for sock in (self._mon, self._sub, self._pub):
             if sock is not None:
                 sock.close(linger=0)
-        self._sub = self._pub = None
+        self._sub = self._pub = self._mon = None
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
             self._ctx = None

@@ -277,3 +277,45 @@ async def test_a_frame_that_is_not_utf8_is_dropped_and_sync_goes_on(workers, htt
     finally:
         await one.stop()
         ctx.destroy(linger=0)
+
+
+async def test_a_peer_cut_off_by_an_oversized_frame_is_dialled_again(workers, http, tmp_path):
+    """Issue 37, 6: one frame over replicas.max_message_bytes made libzmq drop the peer's
+    connection for good (a protocol error: it never redials), uncounted. The replica counts it
+    (``cut_off``) and dials the peer again, so its next messages are heard."""
+    ws = [await workers("a")]
+    ctx = zmq.asyncio.Context()
+    peer = ctx.socket(zmq.PUB)
+    peer_ep = f"ipc://{tmp_path}/peer.sock"
+    peer.bind(peer_ep)
+    cfg = sync_config(ws, f"ipc://{tmp_path}/one.sock", [peer_ep], max_message_bytes=300_000)
+    one = await RouterProc.start(tmp_path, "one", cfg)
+    seq = 0
+
+    async def heard() -> float:
+        nonlocal seq
+        await peer.send(encode(SyncMessage(VERSION, "the-peer", seq, BS, [])))
+        seq += 1
+        return await metric(http, one.url, "kvrouter_replica_peers")
+
+    try:
+        await until(lambda: ready(http, one.url), 30, "one ready")
+        assert await until(heard, 20, "the peer heard") == 1
+        await peer.send(b"\x00" * 400_000)  # over max_message_bytes: libzmq cuts the peer off
+
+        async def cut() -> float:
+            return await metric(
+                http, one.url, "kvrouter_replica_sync_dropped_total", reason="cut_off"
+            )
+
+        assert await until(cut, 20, "the cut-off counted") == 1
+        before = await metric(http, one.url, "kvrouter_replica_sync_received_total")
+
+        async def again() -> bool:
+            await peer.send(encode(SyncMessage(VERSION, "the-peer", seq + 100, BS, [])))
+            return await metric(http, one.url, "kvrouter_replica_sync_received_total") > before
+
+        await until(again, 20, "the peer heard again after the redial")
+    finally:
+        await one.stop()
+        ctx.destroy(linger=0)
