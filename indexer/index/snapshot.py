@@ -231,6 +231,15 @@ def decode_snapshot(
             w.rechunk = rc
             for rb in ws.rechunk:
                 rc.load_block(rb.engine_hash, rb.parent, rb.tiers, rb.end, rb.state, tuple(rb.tail))
+            # a router block is covered by at most block_size + 1 distinct engine blocks (pages
+            # of one token or more); a peer's snapshot that lists more, or one twice, would make
+            # every tier change of that block walk its list once per entry (quadratic)
+            most = snap.block_size + 1
             for h, cov in ws.cover:
+                if len(cov) > most or len(set(cov)) != len(cov):
+                    raise SnapshotError(
+                        f"{what}: rank {key}: router block {h} covered by {len(cov)} engine "
+                        f"blocks ({len(set(cov))} distinct; at most {most})"
+                    )
                 rc.load_cover(h, list(cov))
     return index, seqs

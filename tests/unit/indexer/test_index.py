@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -409,3 +410,24 @@ PyFallbackIndexMachine.TestCase.settings = settings(
     max_examples=30, stateful_step_count=30, deadline=None
 )
 TestPyFallbackIndexMachine = PyFallbackIndexMachine.TestCase
+
+
+def test_a_snapshot_cover_that_repeats_an_engine_block_is_refused() -> None:
+    """Issue 37, 3: a re-chunked rank whose cover lists one engine block thousands of times
+    made each tier change of it quadratic (27 s for 24 KB); such a cover is not a snapshot."""
+    idx = PrefixIndex(4)
+    t = tokens(16)
+    idx.apply_event(A, BlockStored([1, 2], None, t, 8))  # pages of 8: re-chunked into blocks of 4
+    builder = idx.snapshot_builder()
+    builder.add(A, 1)
+    good = builder.finish()()
+    restored, _ = PrefixIndex.from_snapshot_bytes(good)  # the honest one loads
+    assert restored.match(idx.request_hashes(t)).workers[A].matched_blocks == 4
+    snap = msgspec.msgpack.decode(good)
+    (rank,) = snap["workers"]
+    assert rank["cover"]
+    h, cov = rank["cover"][0]
+    for bad in (cov * 5000, cov + cov[:1]):
+        rank["cover"][0] = [h, bad]
+        with pytest.raises(SnapshotError, match="covered by"):
+            PrefixIndex.from_snapshot_bytes(msgspec.msgpack.encode(snap))
