@@ -88,6 +88,15 @@ def _fail(state: Runtime, p: Choice, e: UpstreamError) -> None:
     )
 
 
+def _answered(state: Runtime, flight: Flight, status: int, content: bytes, t1: float) -> None:
+    """The prefill worker answered (its whole answer read): its leg ends, and is timed."""
+    flight.first_byte()
+    if status == 200:
+        flight.cached = cached_tokens_of(content)
+    flight.done(str(status))
+    state.metrics.pd.leg("prefill", time.perf_counter() - t1)
+
+
 def _chosen(entry: Entry, p: Choice) -> None:
     """The prefill worker that answered leads the pick's list (its headers name it)."""
     ps = entry.pick.prefills
@@ -122,11 +131,7 @@ async def prefill_first(
             flight.done("upstream_error")
             _fail(state, p, e)
             continue
-        flight.first_byte()
-        if status == 200:
-            flight.cached = cached_tokens_of(content)
-        flight.done(str(status))
-        pdm.leg("prefill", time.perf_counter() - t1)
+        _answered(state, flight, status, content, t1)
         if 400 <= status < 500:
             return PrefillAnswer(status, ctype, content, p)
         if status != 200:
@@ -186,11 +191,7 @@ class Sibling:
             flight.done("upstream_error")
             _fail(state, p, e)
             return SiblingFailed("prefill_error")
-        flight.first_byte()
-        if status == 200:
-            flight.cached = cached_tokens_of(content)
-        flight.done(str(status))
-        state.metrics.pd.leg("prefill", time.perf_counter() - t1)
+        _answered(state, flight, status, content, t1)
         if 400 <= status < 500:
             return SiblingFailed("prefill_refused", PrefillAnswer(status, ctype, content, p))
         return None if status == 200 else SiblingFailed("prefill_error")
