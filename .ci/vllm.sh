@@ -27,6 +27,6 @@ unshare --net bash -c '
   set -e
   ip link set lo up
   timeout 480 python -m pytest -q tests/stages/vllm/test_vllm_truth.py
-  # a real prefill/decode pair (two servers started at once) behind kvrouter: about 80 s
+  # a real prefill/decode pair (two servers started at once, ~50 s) behind kvrouter: about 65 s
   timeout 360 python -m pytest -q tests/stages/vllm/test_vllm_pd.py
 '

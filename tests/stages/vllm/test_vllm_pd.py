@@ -11,6 +11,8 @@ at once, one core each (``docs/../research/pd-peers.md`` §4 has the settings)."
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import threading
 from collections.abc import Iterator
@@ -25,19 +27,15 @@ import zmq
 from tests.waiting import poll
 
 sys.path.insert(0, str(Path(__file__).parent))
+from pd_pair import body, cached, post, prefill_leg, start_pair, stop_pair
 from tiny_model import make_tiny_llama, words
-from vllm_server import BS, PAGE, Vllm, free_port, serve, stop_router
+from vllm_server import BS, PAGE, Vllm, serve, stop_router
 
-NIXL = '{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_buffer_device":"cpu"}'
-
-
-def nixl_env(core: int) -> dict[str, str]:
-    return {
-        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
-        "VLLM_CPU_OMP_THREADS_BIND": str(core),
-        "UCX_TLS": "tcp,self,sm,cma",
-    }
+# The machine CI runs on stalls for seconds at times (it did for 10-30 s while NIXL's progress
+# threads kept both cores busy: nixl_idle/ stops that); a router's health check (1 s by default)
+# must outlast a stall, or it marks one of the pair down mid-test; the index waits get a minute.
+ROUTER_ENV = {"KVROUTER_HEALTH__TIMEOUT_S": "10"}
+ALWAYS = {**ROUTER_ENV, "KVROUTER_PD__MODE": "always"}
 
 
 class Pair:
@@ -52,21 +50,16 @@ class Pair:
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     tmp = tmp_path_factory.mktemp("vllm-pd")
     model = make_tiny_llama(tmp / "tiny-llama")
-    p = Vllm(model, tmp / "p.log", PAGE, "--kv-transfer-config", NIXL, env=nixl_env(0))
-    d = Vllm(model, tmp / "d.log", PAGE, "--kv-transfer-config", NIXL, env=nixl_env(1))
-    p.launch()
-    d.launch()
+    p, d, _ = start_pair(model, tmp)  # about a minute on two cores
     try:
-        p.wait_up()
-        d.wait_up()
         workers = [
             "--tokenizer", f"hf:{model}",
             "--worker", f"id=p0,url={p.url},role=prefill",
             "--worker", f"id=d0,url={d.url},role=decode",
         ]  # fmt: skip
-        always, a_url = serve(tmp / "router-always.log", workers, {"KVROUTER_PD__MODE": "always"})
+        always, a_url = serve(tmp / "router-always.log", workers, ALWAYS)
         try:
-            cond, c_url = serve(tmp / "router-threshold.log", workers)
+            cond, c_url = serve(tmp / "router-threshold.log", workers, ROUTER_ENV)
             try:
                 yield Pair(p, d, a_url, c_url, model)
             finally:
@@ -74,20 +67,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
         finally:
             stop_router(always)
     finally:
-        p.stop(final=True)
-        d.stop(final=True)
-
-
-def body(prompt: str, **extra: Any) -> dict[str, Any]:
-    return {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, **extra}
-
-
-def post(url: str, payload: dict[str, Any]) -> httpx.Response:
-    return httpx.post(url + "/v1/completions", json=payload, timeout=120)
-
-
-def cached(answer: dict[str, Any]) -> int:
-    return int((answer["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        stop_pair(p, d)
 
 
 def metric(url: str, name: str, **labels: str) -> float:
@@ -133,25 +113,60 @@ def test_greedy_output_through_the_pair_is_the_aggregated_output(pair: Pair) -> 
     assert "".join(text) == want
 
 
+def leg_body(
+    client: dict[str, Any], leg: dict[str, Any], prefill: dict[str, Any]
+) -> dict[str, Any]:
+    """One leg's body as a gateway executing ``POST /route``'s answer builds it."""
+    out = {k: v for k, v in client.items() if k not in leg["remove"]}
+    out.update(leg["set"])
+    out.update({k: prefill[k] for k in leg["from_prefill"]})
+    return out
+
+
+def test_route_answers_both_legs_and_a_gateway_executing_them_gets_the_aggregated_output(
+    pair: Pair,
+) -> None:
+    prompt = words(260, seed=61)
+    client = body(prompt)
+    want = post(pair.d.url, client).json()["choices"][0]["text"]  # aggregated, on D
+    r = httpx.post(pair.always + "/route", json={"prompt": prompt}, timeout=30)
+    assert r.status_code == 200, r.text
+    pd = r.json()["pd"]
+    assert (pd["decision"], pd["protocol"], pd["prefill"]["worker_id"]) == ("remote", "nixl", "p0")
+    pre, dec = pd["legs"]
+    assert (pre["leg"], pre["worker_id"], pre["url"]) == ("prefill", "p0", pair.p.url)
+    assert (dec["leg"], dec["worker_id"], dec["url"]) == ("decode", "d0", pair.d.url)
+    assert pre["set"]["max_tokens"] == 1 and pre["set"]["stream"] is False
+    assert pre["set"]["kv_transfer_params"]["do_remote_decode"] is True
+    assert dec["from_prefill"] == ["kv_transfer_params"] and not dec["set"]
+    p_answer = post(pre["url"], leg_body(client, pre, {}))
+    assert p_answer.status_code == 200, p_answer.text
+    d_answer = post(dec["url"], leg_body(client, dec, p_answer.json()))
+    assert d_answer.status_code == 200, d_answer.text
+    assert d_answer.json()["choices"][0]["text"] == want
+
+
 def test_the_decode_worker_reports_the_prefill_workers_real_hit(pair: Pair) -> None:
     base = words(300, seed=31)
-    assert post(pair.always, body(base)).status_code == 200
+    hit = len(base.split()) // PAGE * PAGE  # P holds base's 9 whole pages: 288 tokens
+    # base straight to P alone: only P holds it, so whatever D reports came from P
+    assert post(pair.p.url, body(base)).status_code == 200
     before = {
         k: metric(pair.always, f"kvrouter_pd_{k}_cached_tokens_total", leg="decode")
         for k in ("predicted", "actual")
     }
-    # the prefill worker holds base's 9 whole pages (288 tokens): the follow-up's hit there
-    poll(lambda: matched_on(pair.always, base, "p0") == 288, 30, "P's blocks indexed")
+    poll(lambda: matched_on(pair.always, base, "p0") == hit, 60, "P's blocks indexed")
+    assert matched_on(pair.always, base, "d0") == 0
     r = post(pair.always, body(base + " " + words(40, seed=32)))
     assert r.status_code == 200 and r.headers["x-kvrouter-pd"] == "remote", r.text
-    assert cached(r.json()) == 288
+    assert cached(r.json()) == hit
     # and the router predicted it: honest cached tokens on the decode leg
     after = {
         k: metric(pair.always, f"kvrouter_pd_{k}_cached_tokens_total", leg="decode")
         for k in ("predicted", "actual")
     }
-    assert after["actual"] - before["actual"] == 288
-    assert after["predicted"] - before["predicted"] == 288
+    assert after["actual"] - before["actual"] == hit
+    assert after["predicted"] - before["predicted"] == hit
 
 
 def test_the_pulled_blocks_reach_the_index_and_a_follow_up_stays_on_d(pair: Pair) -> None:
@@ -159,7 +174,7 @@ def test_the_pulled_blocks_reach_the_index_and_a_follow_up_stays_on_d(pair: Pair
     r = post(pair.always, body(prompt))
     assert r.status_code == 200 and r.headers["x-kvrouter-pd"] == "remote", r.text
     # vLLM's decode worker stores and publishes the blocks it pulled: 10 whole pages
-    poll(lambda: matched_on(pair.threshold, prompt, "d0") == 320, 30, "D's BlockStored")
+    poll(lambda: matched_on(pair.threshold, prompt, "d0") == 320, 60, "D's BlockStored")
     follow = post(pair.threshold, body(prompt + " " + words(8, seed=42)))
     assert follow.status_code == 200, follow.text
     h = follow.headers
@@ -176,6 +191,18 @@ def test_a_client_cannot_steer_a_transfer(pair: Pair) -> None:
     bogus = {"do_remote_prefill": True, "remote_engine_id": "x", "remote_host": "10.0.0.1"}
     r = post(pair.always, body(words(40, seed=5), kv_transfer_params=bogus))
     assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params"
+
+
+def test_a_decode_leg_with_a_bogus_engine_fails_on_d(pair: Pair) -> None:
+    """What the router's ``decode_kv_load`` fallback answers: a real decode worker handed a
+    transfer it cannot pull fails the request (vLLM's ``kv_load_failure_policy`` is ``fail``)
+    and stays up."""
+    prompt = words(100, seed=71)
+    params = prefill_leg(pair.p, body(prompt))["kv_transfer_params"]
+    bogus = dict(params, remote_engine_id="no-such-engine")
+    r = post(pair.d.url, body(prompt, kv_transfer_params=bogus))
+    assert r.status_code == 500, r.text
+    assert httpx.get(pair.d.url + "/health", timeout=10).status_code == 200
 
 
 class _Liar(BaseHTTPRequestHandler):
@@ -222,7 +249,7 @@ def test_a_bogus_transfer_falls_back_to_prefilling_on_d(pair: Pair, tmp_path: Pa
         "role=prefill",
         "--worker", f"id=d0,url={pair.d.url},role=decode",
     ]  # fmt: skip
-    proc, url = serve(tmp_path / "router.log", workers, {"KVROUTER_PD__MODE": "always"})
+    proc, url = serve(tmp_path / "router.log", workers, ALWAYS)
     try:
         prompt = words(200, seed=51)
         want = post(pair.d.url, body(prompt)).json()["choices"][0]["text"]
@@ -236,3 +263,37 @@ def test_a_bogus_transfer_falls_back_to_prefilling_on_d(pair: Pair, tmp_path: Pa
         liar.shutdown()
         liar.server_close()
         pub.close(0)
+
+
+def test_a_prefill_worker_silent_mid_leg_falls_back_to_prefilling_on_d(
+    pair: Pair, tmp_path: Path
+) -> None:
+    """P stopped (SIGSTOP) while the prefill leg waits on it: past ``pd.prefill_timeout_s`` the
+    router prefills on D and the client gets D's whole answer. Last: it pauses the real P."""
+    workers = [
+        "--tokenizer", f"hf:{pair.model}",
+        "--worker", f"id=p0,url={pair.p.url},role=prefill",
+        "--worker", f"id=d0,url={pair.d.url},role=decode",
+    ]  # fmt: skip
+    env = {**ALWAYS, "KVROUTER_PD__PREFILL_TIMEOUT_S": "3"}
+    proc, url = serve(tmp_path / "router.log", workers, env)
+    assert pair.p.proc is not None
+    try:
+        prompt = words(200, seed=81)
+        want = post(pair.d.url, body(prompt)).json()["choices"][0]["text"]
+        os.killpg(pair.p.proc.pid, signal.SIGSTOP)
+        try:
+            r = post(url, body(prompt))
+        finally:
+            os.killpg(pair.p.proc.pid, signal.SIGCONT)
+        assert r.status_code == 200, r.text
+        h = r.headers
+        assert (h["x-kvrouter-worker"], h.get("x-kvrouter-pd-fallback")) == (
+            "d0",
+            "prefill_timeout",
+        ), dict(h)
+        assert r.json()["choices"][0]["text"] == want
+        assert metric(url, "kvrouter_pd_fallbacks_total", cause="prefill_timeout") == 1
+        assert httpx.get(pair.p.url + "/health", timeout=30).status_code == 200
+    finally:
+        stop_router(proc)
