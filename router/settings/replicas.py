@@ -5,7 +5,9 @@ module stays small."""
 
 from __future__ import annotations
 
+import os
 import re
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -15,6 +17,7 @@ from router.settings.k8s import DiscoverySettings
 __all__ = ["PeerDiscoverySettings", "ReplicaSettings"]
 
 _ZMQ = ("tcp://", "ipc://", "inproc://")
+_LOOPBACK = ("127.0.0.1", "::1", "localhost")
 _TCP_PORT = re.compile(r"^tcp://.+:(\d{1,5})$")
 
 
@@ -51,6 +54,12 @@ class PeerDiscoverySettings(msgspec.Struct, forbid_unknown_fields=True, frozen=T
 
 
 class ReplicaSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """``peer_key_file`` is the replicas' shared secret (a file: in Kubernetes a Secret): it
+    authenticates and encrypts replica sync over TCP and is the credential a replica shows a
+    peer's ``/admin/snapshot`` (:mod:`router.runtime.replicas.peerkey`), so the admin key never
+    leaves the replica. Sync over TCP and warm starts need it, or ``trusted_network: true``
+    (anyone who reaches the sync port then reads every placement and can steer them)."""
+
     sync_bind: str | None = None
     peers: list[str] = msgspec.field(default_factory=list)
     discovery: PeerDiscoverySettings = msgspec.field(default_factory=PeerDiscoverySettings)
@@ -63,6 +72,8 @@ class ReplicaSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     warm_from: list[str] = msgspec.field(default_factory=list)
     warm_timeout_s: float = 10.0
     max_snapshot_bytes: int = 1 << 30
+    peer_key_file: str | None = None
+    trusted_network: bool = False
 
     def __post_init__(self) -> None:
         if self.sync_bind is not None:
@@ -89,8 +100,27 @@ class ReplicaSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         _check(ok, "peer_timeout_s", "must be > 2 x heartbeat_s")
         _check(self.warm_timeout_s > 0, "warm_timeout_s", "must be > 0")
         _check(self.max_snapshot_bytes >= 1024, "max_snapshot_bytes", "must be >= 1024")
+        path = self.peer_key_file
+        _check(path is None or os.path.isfile(path), "peer_key_file", "must be a readable file")
+        ok = path is not None or self.trusted_network or not self.exposed
+        _check(
+            ok,
+            "peer_key_file",
+            "is needed for replica sync over TCP and warm starts (a shared secret in a file, e.g. "
+            "`openssl rand -hex 32`), or trusted_network: true on a network you trust",
+        )
 
     @property
     def enabled(self) -> bool:
         """Whether this replica syncs at all (it publishes, subscribes, or both)."""
         return bool(self.sync_bind or self.peers or self.discovery.enabled)
+
+    @property
+    def exposed(self) -> bool:
+        """Whether another host may reach this replica's sync or snapshot traffic: sync over TCP
+        (``ipc://`` is a file, guarded by its directory: ``--processes``' siblings) or a warm
+        start from a peer other than this host (``--processes``' restarted sibling warms from
+        the shared port on loopback)."""
+        eps = [self.sync_bind or "", *self.peers]
+        remote = [u for u in self.warm_from if urlsplit(u).hostname not in _LOOPBACK]
+        return self.discovery.enabled or bool(remote) or any(e.startswith("tcp://") for e in eps)

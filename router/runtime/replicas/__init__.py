@@ -6,6 +6,8 @@ placement core:
 - ``wire``: the one message shape (msgspec, msgpack) and its bounds;
 - ``peers``: peers from the router's own pods (``replicas.discovery``);
 - ``warm``: a starting replica's index from a peer's snapshot, else a cold start;
+- ``peerkey``: the shared peer key (``replicas.peer_key_file``) and what it derives: sync's
+  CURVE key pair, the snapshot token;
 - ``errors``: the package's exceptions.
 
 ``kvrouter serve --processes N`` (:mod:`router.edge.processes`) runs N replicas on one port,
@@ -13,6 +15,7 @@ synced through this over ``ipc://``.
 """
 
 from router.runtime.replicas.errors import ReplicaError, SyncBindError, WarmStartError
+from router.runtime.replicas.peerkey import PeerKey, peer_key
 from router.runtime.replicas.peers import warm_urls
 from router.runtime.replicas.sync import ReplicaSync
 from router.runtime.replicas.warm import (
@@ -25,11 +28,13 @@ from router.runtime.replicas.warm import (
 __all__ = [
     "SNAPSHOT_PATH",
     "SNAPSHOT_TYPE",
+    "PeerKey",
     "ReplicaError",
     "ReplicaSync",
     "SyncBindError",
     "WarmIndex",
     "WarmStartError",
+    "peer_key",
     "warm_index",
     "warm_urls",
 ]

@@ -197,7 +197,9 @@ def test_gateway_composes_into_an_epp_the_pool_and_route_reach() -> None:
     # its settings: the ConfigMap's router.yaml plus its environment turn the EPP on
     cm = find(objs, "ConfigMap", spec["volumes"][0]["configMap"]["name"])
     raw = yaml.safe_load(cm["data"]["router.yaml"])
-    raw.pop("admin_key_file")  # a mounted Secret, checked by the Kubernetes manifests' test
+    raw.pop("admin_key_file")  # mounted Secrets, checked by the Kubernetes manifests' test
+    raw["replicas"].pop("peer_key_file")
+    raw["replicas"]["trusted_network"] = True
     env = {e["name"]: e["value"] for e in c["env"]}
     settings = load_settings(environ=env, overrides=raw)
     assert settings.epp.port is not None and settings.epp.host == "0.0.0.0"

@@ -173,6 +173,14 @@ def test_overlay_composes_into_a_router_that_discovers_its_workers(
     assert svol["secret"]["defaultMode"] & 0o040 and spec["securityContext"]["fsGroup"] == 10001
     (tmp_path / key_file.name).write_text(secret + "\n")  # (the mounted file, here)
     raw["admin_key_file"] = str(tmp_path / key_file.name)
+    # and so is the replicas' peer key, beside it in the same Secret
+    peer_file = Path(raw["replicas"]["peer_key_file"])
+    assert peer_file.parent == key_file.parent
+    (item,) = [i for i in svol["secret"]["items"] if i["path"] == peer_file.name]
+    peer = find(objs, "Secret", svol["secret"]["secretName"])["stringData"][item["key"]]
+    assert peer != secret, "the peer key is not the admin key: it leaves the pod as CURVE keys"
+    (tmp_path / peer_file.name).write_text(peer + "\n")
+    raw["replicas"]["peer_key_file"] = str(tmp_path / peer_file.name)
     env_vars = {e["name"]: e.get("value", "from-a-secret") for e in c.get("env", [])}
     settings = load_settings(environ=env_vars, overrides=raw)
     assert settings.admin_key == secret
@@ -293,7 +301,9 @@ def test_only_placement_peers_reach_the_sync_port(directory: Path) -> None:
     objs = compose(directory)
     policy = find(objs, "NetworkPolicy", "kvrouter-sync")
     raw = yaml.safe_load(find(objs, "ConfigMap", "kvrouter-config")["data"]["router.yaml"])
-    raw.pop("admin_key_file")  # (a mounted Secret: not what this checks)
+    raw.pop("admin_key_file")  # (mounted Secrets: not what this checks)
+    raw["replicas"].pop("peer_key_file")
+    raw["replicas"]["trusted_network"] = True
     replicas = load_settings(environ={}, overrides=raw).replicas
     assert replicas.enabled and replicas.sync_bind is not None
     sync_port = int(replicas.sync_bind.rsplit(":", 1)[1])

@@ -33,6 +33,7 @@ async def test_router_pods_are_peers_and_warm_start_sources() -> None:
                 "port": 8123,
                 "replicas": {
                     "sync_bind": "tcp://0.0.0.0:5600",
+                    "trusted_network": True,
                     "discovery": {
                         "enabled": True,
                         "api_server": api.url,
@@ -68,6 +69,7 @@ async def test_an_unreachable_api_server_leaves_the_configured_peers() -> None:
             "replicas": {
                 "sync_bind": "tcp://0.0.0.0:5600",
                 "warm_from": ["http://peer:8000"],
+                "trusted_network": True,
                 "discovery": {"enabled": True, "api_server": "http://127.0.0.1:9", "timeout_s": 1},
             },
         },

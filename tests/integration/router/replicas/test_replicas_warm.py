@@ -27,7 +27,10 @@ def toks(seed: int, blocks: int) -> list[int]:
 
 
 def config(workers: list[Any], **replicas: Any) -> dict:
-    return {"workers": [w.spec() for w in workers], "replicas": replicas}
+    return {
+        "workers": [w.spec() for w in workers],
+        "replicas": {"trusted_network": True, **replicas},
+    }
 
 
 async def test_a_warm_replica_routes_the_fleet_s_cache_from_its_first_request(

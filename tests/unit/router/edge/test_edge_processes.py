@@ -18,7 +18,7 @@ def test_each_process_publishes_on_its_own_endpoint_and_hears_its_siblings() -> 
         environ={},
         overrides={
             "server": {"processes": 3},
-            "replicas": {"peers": ["tcp://other:5600"]},
+            "replicas": {"peers": ["tcp://other:5600"], "trusted_network": True},
             "snapshot": {"path": "/var/idx"},
             "epp": {"port": 9002},
         },

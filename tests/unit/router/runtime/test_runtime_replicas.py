@@ -43,6 +43,7 @@ def placer(clock: Callable[[], float], **replicas: object) -> Placer:
 
 
 def sync(clock: Callable[[], float], **replicas: object) -> ReplicaSync:
+    replicas = {"trusted_network": True, **replicas}
     p = placer(clock, **replicas)
     s = ReplicaSync(ReplicaSettings(**replicas), p, block_size=BS, clock=clock)  # type: ignore[arg-type]
     p.listener = s
