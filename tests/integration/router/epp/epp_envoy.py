@@ -24,7 +24,15 @@ from google.protobuf.struct_pb2 import Struct
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["Envoy", "Picked", "body_request", "headers_request", "metric", "served_certificate"]
+__all__ = [
+    "PROCESS",
+    "Envoy",
+    "Picked",
+    "body_request",
+    "headers_request",
+    "metric",
+    "served_certificate",
+]
 
 PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 
