@@ -58,6 +58,9 @@ def add_floor(config: dict[str, Any], epp: tuple[str, int]) -> None:
     )
     target = copy.deepcopy(cluster(config, EPP_CLUSTER))
     target["name"] = target["load_assignment"]["cluster_name"] = FLOOR_CLUSTER
+    # the floor speaks plaintext gRPC; the EPP its default TLS, whose cost is then part of
+    # epp minus floor, as a deployment pays it
+    target.pop("transport_socket", None)
     (group,) = target["load_assignment"]["endpoints"]
     (endpoint,) = group["lb_endpoints"]
     endpoint["endpoint"]["address"]["socket_address"] = {"address": epp[0], "port_value": epp[1]}

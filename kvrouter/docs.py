@@ -151,7 +151,14 @@ def metric_rows() -> list[tuple[str, str, str, str]]:
     register_process_metrics(registry)
     replica = ReplicaStats("0123456789abcdef", "0", dropped={"malformed": 0}, ended={"ended": 0})
     registry.register(ReplicaCollector(lambda: replica))
-    declared = {f.name: list(f.labelnames) for f in vars(metrics).values() if isinstance(f, Family)}
+    # (families kept in a part of RouterMetrics, as metrics.pd and metrics.epp, too)
+    parts = [metrics, *(v for v in vars(metrics).values() if type(v).__name__.endswith("Metrics"))]
+    declared = {
+        f.name.removesuffix("_total"): list(f.labelnames)
+        for part in parts
+        for f in vars(part).values()
+        if isinstance(f, Family)
+    }
     rows = []
     for fam in registry.collect():
         labels = {k for s in fam.samples for k in s.labels if k != "le"}

@@ -4,7 +4,8 @@ replay's policy ``kvrouter-epp`` (:mod:`kvrouter.replay.fleet`) and ``benchmarks
 
 - :func:`render`: the committed ``deploy/gateway/envoy.yaml`` (the one source of the gateway's
   config) with this run's addresses: listener and admin API on loopback port 0 (the bound ports
-  are read back from the admin API), the EPP's address, the access log's path. Optionally a
+  are read back from the admin API), the EPP's address (TLS to it as committed: the EPP's
+  default, a self-signed certificate Envoy does not verify), the access log's path. Optionally a
   second listener, ``direct``: the same HTTP connection manager without the ext_proc filter,
   routed to one fixed upstream — the EPP hop against no hop, in one Envoy.
 - :func:`envoy_binary`: ``KVROUTER_ENVOY_BIN``, else ``.venv-envoy`` (where ``.ci/envoy.sh``
@@ -14,7 +15,8 @@ replay's policy ``kvrouter-epp`` (:mod:`kvrouter.replay.fleet`) and ``benchmarks
   waits for its admin ``/ready``, reads the listeners' ports back and stops it on exit; ``pid``
   for CPU accounting.
 - :data:`EPP_ENV`, :data:`EPP_READY`: how a ``kvrouter serve`` child runs its EPP on a port
-  bound 0, and the line it prints to say which (after its HTTP listener's line).
+  bound 0 (over TLS, its default), and the line it prints to say which (after its HTTP
+  listener's line).
 
 Only loopback runs are its business: a deployment uses ``deploy/gateway`` as it is.
 """

@@ -21,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from indexer.index.native import BACKENDS as NATIVE_BACKENDS
+from router.observe.epp import EppMetrics
 from router.observe.family import Family as _Family
 from router.observe.pd import PdMetrics
 from router.observe.process import installed_version, register_process_metrics
@@ -322,6 +323,7 @@ class RouterMetrics:
             registry=r,
         )
         self.pd = PdMetrics(r)  # prefill/decode disaggregation's own families
+        self.epp = EppMetrics(r)  # the endpoint picker's door
         self._families = [v for v in vars(self).values() if isinstance(v, _Family)]
 
     def child(self, metric: Any, *labels: str) -> Any:

@@ -17,8 +17,12 @@ class EppSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
     port: int | None = None
     host: str = "127.0.0.1"
+    #: the picker's certificate and key (PEM files); neither: TLS with a self-signed
+    #: certificate made at each start (router.edge.epp.tls)
     tls_cert: str | None = None
     tls_key: str | None = None
+    #: serve gRPC without TLS: only on a trusted network (a warning at start says so)
+    plaintext: bool = False
     max_streams: int = 4096
     stream_timeout_s: float = 30.0
     #: after the pick, the longest silence between two messages of the answer's phase (its
@@ -31,6 +35,8 @@ class EppSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         ok = self.port is None or 0 <= self.port <= 65535
         _check(ok, "port", "must be between 0 and 65535 (or null: off)")
         _check((self.tls_cert is None) == (self.tls_key is None), "tls_cert", "needs tls_key")
+        ok = not (self.plaintext and self.tls_cert is not None)
+        _check(ok, "plaintext", "contradicts tls_cert/tls_key (set one or the other)")
         for k in ("tls_cert", "tls_key"):
             path = getattr(self, k)
             _check(path is None or os.path.isfile(path), k, "must be a readable PEM file")

@@ -9,5 +9,7 @@ the answer stream by to account the request until it ends. On when ``epp.port`` 
   lifecycle (what the app's lifespan starts; importing this package imports no gRPC);
 - ``stream``: one ext_proc stream, from the request's headers to the end of its answer;
 - ``messages``: reading Envoy's messages and building the picker's answers (pure);
+- ``limits``: the streams taken at once, what the others get, and gRPC's limits to match;
+- ``tls``: the port's transport, TLS by default (a self-signed certificate made at start);
 - ``errors``: the streams closed with a gRPC status.
 """

@@ -8,11 +8,13 @@ router's own event loop (the app's lifespan starts and stops it, next to uvicorn
   worker, not draining), re-read every half second; ``envoy.service.ext_proc.v3.ExternalProcessor``
   and ``""`` (the whole server) follow readiness. All turn NOT_SERVING when the server stops;
 - ``epp.max_streams`` bounds the streams served at once (each may buffer a body of up to
-  ``proxy.max_body_bytes``): one more is answered 429, as an ``ImmediateResponse``;
+  ``proxy.max_body_bytes``), per connection in gRPC and in all in the picker; what the others
+  get, and the gRPC core limits set so none is lost unseen: :mod:`router.edge.epp.limits`;
 - a stream that breaks the protocol, or a message that is not a ``ProcessingRequest``, is closed
   with a gRPC status (INVALID_ARGUMENT, FAILED_PRECONDITION) and one warning line; the request
   deserializer is the picker's own so a malformed message never reaches gRPC's error log;
-- TLS when ``epp.tls_cert`` / ``epp.tls_key`` are set, else plaintext (a sidecar or a mesh's).
+- TLS by default (a self-signed certificate when no file is given), plaintext only by
+  ``epp.plaintext``: :mod:`router.edge.epp.tls`.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from router.edge.epp.errors import EppError, ProtocolError
+from router.edge.epp.limits import OVERLOAD, StreamGate, server_options
 from router.edge.epp.stream import EppStream
+from router.edge.epp.tls import server_credentials
 from router.errors import ConfigError
 from router.runtime import Runtime
 
@@ -70,7 +74,7 @@ class EppServer:
         self.state = state
         self.settings = state.settings.epp
         self.port = 0
-        self.streams = 0  # served now
+        self.gate = StreamGate(self.settings.max_streams, state.metrics.epp)
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._watch: asyncio.Task[None] | None = None
@@ -79,16 +83,7 @@ class EppServer:
     async def start(self) -> int:
         s = self.settings
         max_message = max(4 << 20, self.state.settings.proxy.max_body_bytes + _MESSAGE_SLACK)
-        server = grpc.aio.server(
-            options=[
-                ("grpc.so_reuseport", 0),  # a port in use is an error, never shared
-                ("grpc.max_receive_message_length", max_message),
-                # a partitioned Envoy's connection is found by an unanswered ping and closed,
-                # its streams (and flights) with it; epp.response_timeout_s bounds a live one
-                ("grpc.keepalive_time_ms", 60_000),
-                ("grpc.keepalive_timeout_ms", 20_000),
-            ]
-        )
+        server = grpc.aio.server(options=server_options(s.max_streams, max_message))
         process = grpc.stream_stream_rpc_method_handler(
             self._process,
             request_deserializer=_parse,
@@ -101,10 +96,9 @@ class EppServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         host = f"[{s.host}]" if ":" in s.host else s.host
         address = f"{host}:{s.port}"
+        creds, scheme = server_credentials(s)
         try:
-            if s.tls_cert is not None and s.tls_key is not None:
-                with open(s.tls_key, "rb") as k, open(s.tls_cert, "rb") as c:
-                    creds = grpc.ssl_server_credentials([(k.read(), c.read())])
+            if creds is not None:
                 self.port = server.add_secure_port(address, creds)
             else:
                 self.port = server.add_insecure_port(address)
@@ -115,9 +109,13 @@ class EppServer:
         await server.start()
         self._server = server
         self._watch = asyncio.create_task(self._follow_readiness(), name="epp-readiness")
-        scheme = "tls" if s.tls_cert is not None else "plaintext"
         log.info("EPP listening on %s:%d (%s)", host, self.port, scheme)
         return self.port
+
+    @property
+    def streams(self) -> int:
+        """ext_proc streams open now (served or being refused)."""
+        return self.gate.open
 
     async def stop(self) -> None:
         """NOT_SERVING on every health name, then streams get ``epp.shutdown_grace_s`` to end;
@@ -154,10 +152,14 @@ class EppServer:
                 raise ProtocolError(f"not a ProcessingRequest: {m.error}")
             return m
 
-        refuse = self.streams >= self.settings.max_streams
-        self.streams += 1
+        refused = self.gate.enter()
         try:
-            await EppStream(self.state, read, context.write, refuse=refuse).run()
+            if refused == OVERLOAD:  # (before a read: a stream that never speaks holds nothing)
+                context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
+                context.set_details(f"endpoint picker overloaded ({self.gate.open} streams open)")
+                return
+            stream = EppStream(self.state, read, context.write, refuse=refused is not None)
+            await stream.run()
         except EppError as e:
             log.warning("EPP stream closed (%s): %s", e.code, e)
             context.set_code(getattr(grpc.StatusCode, e.code))
@@ -167,4 +169,4 @@ class EppServer:
             context.set_code(grpc.StatusCode.INTERNAL)
             context.set_details("internal error of the endpoint picker")
         finally:
-            self.streams -= 1
+            self.gate.leave()

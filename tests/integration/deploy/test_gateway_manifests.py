@@ -5,11 +5,12 @@ CRDs that package ships no schema for, so they are checked against a strict sche
 from the InferencePool v1 CRD's constraints (required fields, enums, ranges; no unknown field).
 The kustomization is composed as kustomize does (:func:`compose` of the Kubernetes check) and
 checked against the code it configures: the EPP's settings load from its ConfigMap and
-environment, its probes ask the gRPC health names the EPP answers, the pool's EPP reference
-reaches the EPP's gRPC port, the pool selects exactly the pods the router discovers, on their
-OpenAI port. ``deploy/gateway/envoy.yaml`` is read for the endpoint picker contract (the filter
-chain, processing modes, fail-closed, the ORIGINAL_DST cluster on the picked endpoint); the
-real Envoy validates and runs it in the stage ``tests/stages/envoy``."""
+environment (TLS, the default), its probes ask the router's HTTP /health and /ready (the
+kubelet's gRPC probes speak no TLS), the pool's EPP reference reaches the EPP's gRPC port, the
+pool selects exactly the pods the router discovers, on their OpenAI port.
+``deploy/gateway/envoy.yaml`` is read for the endpoint picker contract (the filter chain,
+processing modes, fail-closed, TLS to the EPP, the ORIGINAL_DST cluster on the picked
+endpoint); the real Envoy validates and runs it in the stage ``tests/stages/envoy``."""
 
 from __future__ import annotations
 
@@ -203,7 +204,8 @@ def test_gateway_composes_into_an_epp_the_pool_and_route_reach() -> None:
     env = {e["name"]: e["value"] for e in c["env"]}
     settings = load_settings(environ=env, overrides=raw)
     assert settings.epp.port is not None and settings.epp.host == "0.0.0.0"
-    assert settings.epp.tls_cert is None  # the kubelet's gRPC probes speak no TLS
+    # TLS, as the gateway speaks it to an EPP (GIE's picker serves TLS by default too)
+    assert not settings.epp.plaintext
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports["grpc"] == settings.epp.port and ports["http"] == settings.port
     if settings.replicas.sync_bind is not None:  # the shared config's replica sync binds here too
@@ -211,12 +213,14 @@ def test_gateway_composes_into_an_epp_the_pool_and_route_reach() -> None:
         # and its pods are the router's peers: both carry the labels sync discovers peers by
         pod_labels = epp["spec"]["template"]["metadata"]["labels"]
         assert settings.replicas.discovery.labels.items() <= pod_labels.items(), pod_labels
-    for probe, service in (
-        ("livenessProbe", "liveness"),
-        ("readinessProbe", "readiness"),
-        ("startupProbe", "liveness"),
+    # the kubelet's gRPC probes speak no TLS: the router's HTTP port, whose /ready the EPP's
+    # gRPC readiness follows
+    for probe, path in (
+        ("livenessProbe", "/health"),
+        ("readinessProbe", "/ready"),
+        ("startupProbe", "/health"),
     ):
-        assert c[probe]["grpc"] == {"port": settings.epp.port, "service": service}
+        assert c[probe]["httpGet"] == {"port": "http", "path": path}, probe
 
     # the Service: the EPP pods only, its gRPC port as HTTP/2
     svc = find(objs, "Service", "kvrouter-epp")
@@ -314,6 +318,11 @@ def test_standalone_envoy_speaks_the_endpoint_picker_protocol() -> None:
     }
     (hc,) = epp["health_checks"]
     assert hc["grpc_health_check"]["service_name"] == "envoy.service.ext_proc.v3.ExternalProcessor"
+    # TLS to the EPP (its default), verifying no certificate: a self-signed one is new each start
+    tls = epp["transport_socket"]
+    assert tls["name"] == "envoy.transport_sockets.tls"
+    context = tls["typed_config"]["common_tls_context"]
+    assert context["alpn_protocols"] == ["h2"] and "validation_context" not in context
 
     # every request goes where the EPP's header says, with no deadline on the stream
     (vhost,) = hcm["route_config"]["virtual_hosts"]

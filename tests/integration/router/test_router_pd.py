@@ -633,7 +633,7 @@ async def test_proxy_route_and_epp_give_the_same_pick_and_headers(pd, router, cl
     d_warm = await pd.nixl_decode("d-warm")
     d_cold = await pd.nixl_decode("d-cold")
     fleet = [p_warm, p_cold, d_warm, d_cold]
-    r = await router(fleet, pd=ALWAYS, epp={"port": 0})
+    r = await router(fleet, pd=ALWAYS, epp={"port": 0, "plaintext": True})  # (a plain client)
     # the whole prompt on the warm pair already: no request below can change a match
     await prefixed(r, p_warm)
     await prefixed(r, d_warm)

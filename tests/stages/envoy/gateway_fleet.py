@@ -7,6 +7,8 @@ admin API). All on 127.0.0.1, every port bound 0."""
 from __future__ import annotations
 
 import json
+import socket
+import ssl
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -38,6 +40,7 @@ __all__ = [
     "Envoy",
     "Router",
     "Worker",
+    "epp_channel",
     "epp_health",
     "metric",
     "start_engines",
@@ -121,9 +124,28 @@ def start_router(workers: Sequence[Worker], log: Any, stop: threading.Event) -> 
     return Router(child, url, port, list(workers))
 
 
+def epp_channel(port: int) -> grpc.Channel:
+    """A gRPC channel to the EPP over TLS (its default), trusting the self-signed certificate it
+    serves, read off a handshake that verifies nothing (as Envoy's cluster does not)."""
+    ctx = ssl.create_default_context()
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    ctx.set_alpn_protocols(["h2"])
+    raw = socket.create_connection(("127.0.0.1", port), timeout=5)
+    with raw, ctx.wrap_socket(raw) as tls:
+        der = tls.getpeercert(binary_form=True)
+    assert der is not None
+    pem = ssl.DER_cert_to_PEM_cert(der).encode()
+    creds = grpc.ssl_channel_credentials(root_certificates=pem)
+    return grpc.secure_channel(f"127.0.0.1:{port}", creds)
+
+
 def epp_health(port: int, service: str) -> bool:
     """Whether the EPP's gRPC health service says ``service`` is SERVING."""
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+    try:
+        channel = epp_channel(port)
+    except OSError:  # (not listening yet)
+        return False
+    with channel:
         check = health_pb2_grpc.HealthStub(channel).Check
         try:
             got = check(health_pb2.HealthCheckRequest(service=service), timeout=5)

@@ -30,6 +30,7 @@ from gateway_fleet import (
     Envoy,
     Router,
     Worker,
+    epp_channel,
     metric,
     start_engines,
     start_router,
@@ -119,7 +120,7 @@ def _blocks(gw: Gateway, worker: str) -> float:
 
 
 def test_epp_answers_grpc_health_on_the_three_names_and_envoy_sees_it(gateway: Gateway) -> None:
-    with grpc.insecure_channel(f"127.0.0.1:{gateway.router.epp_port}") as channel:
+    with epp_channel(gateway.router.epp_port) as channel:  # TLS: the EPP's default
         stub = health_pb2_grpc.HealthStub(channel)
         for name in ("liveness", "readiness", EXT_PROC_SERVICE):
             got = stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
@@ -133,6 +134,11 @@ def test_epp_answers_grpc_health_on_the_three_names_and_envoy_sees_it(gateway: G
     (host,) = epp["host_statuses"]
     assert host["health_status"]["eds_health_status"] == "HEALTHY"
     assert "failed_active_health_check" not in host["health_status"]
+    # over TLS, as committed (deploy/gateway/envoy.yaml): Envoy's handshakes with the EPP
+    stats = httpx.get(gateway.envoy.admin + "/stats?format=json&filter=kvrouter_epp.ssl", timeout=5)
+    got = {s["name"]: s.get("value", 0) for s in stats.json()["stats"]}
+    assert got.get("cluster.kvrouter_epp.ssl.handshake", 0) >= 1, got
+    assert got.get("cluster.kvrouter_epp.ssl.connection_error", 0) == 0, got
 
 
 def test_envoy_goes_to_the_endpoint_the_epp_picked(gateway: Gateway) -> None:

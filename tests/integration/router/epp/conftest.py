@@ -1,5 +1,6 @@
-"""Fixtures of the EPP's tests: a router with its endpoint picker on (port 0), and a real gRPC
-client playing Envoy's part (:mod:`epp_envoy`)."""
+"""Fixtures of the EPP's tests: a router with its endpoint picker on (port 0, TLS with its
+self-signed certificate unless a test says otherwise), and a real gRPC client playing Envoy's
+part (:mod:`epp_envoy`), trusting the certificate the picker serves."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import pytest
-from epp_envoy import Envoy
 
 pytest.importorskip("grpc", reason="the epp extra")
+
+import grpc
+from epp_envoy import Envoy, served_certificate
 
 
 @pytest.fixture
@@ -23,6 +26,9 @@ async def epp(router: Any) -> AsyncIterator[Callable[..., Awaitable[tuple[Any, E
         r = await router(fake_workers, **overrides)
         port = r.app.state.epp_port
         assert port > 0
+        if "creds" not in client and not overrides["epp"].get("plaintext"):
+            pem = await served_certificate(port)
+            client["creds"] = grpc.ssl_channel_credentials(root_certificates=pem)
         envoy = Envoy(port, **client)
         made.append(envoy)
         return r, envoy

@@ -6,6 +6,7 @@ picked (over real HTTP, to the fake worker) and streams the answer back through 
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -23,7 +24,15 @@ from google.protobuf.struct_pb2 import Struct
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["Envoy", "Picked", "body_request", "headers_request", "metric"]
+__all__ = [
+    "PROCESS",
+    "Envoy",
+    "Picked",
+    "body_request",
+    "headers_request",
+    "metric",
+    "served_certificate",
+]
 
 PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 
@@ -36,6 +45,20 @@ def metric(text: str, name: str, **labels: str) -> float:
         for s in fam.samples
         if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
     )
+
+
+async def served_certificate(port: int, host: str = "127.0.0.1") -> bytes:
+    """The certificate the picker serves on ``port`` (PEM), read off a real TLS handshake that
+    verifies nothing: what a test client then trusts, as Envoy is told to with a CA."""
+    ctx = ssl.create_default_context()
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    ctx.set_alpn_protocols(["h2"])
+    _reader, writer = await asyncio.open_connection(host, port, ssl=ctx)
+    try:
+        der = writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
+    finally:
+        writer.close()
+    return ssl.DER_cert_to_PEM_cert(der).encode()
 
 
 def headers_request(
@@ -126,16 +149,23 @@ class Picked:
 
 
 class Envoy:
-    """A channel to the picker (``creds``: TLS) and the streams Envoy would open on it."""
+    """A channel to the picker (``creds``: TLS) and the streams Envoy would open on it: one
+    connection of its own (gRPC would otherwise share one among channels to one address)."""
 
     def __init__(
         self, port: int, *, creds: grpc.ChannelCredentials | None = None, host: str = "127.0.0.1"
     ) -> None:
         target = f"{host}:{port}"
+        options = [("grpc.use_local_subchannel_pool", 1)]
         if creds is None:
-            self.channel = grpc.aio.insecure_channel(target)
+            self.channel = grpc.aio.insecure_channel(target, options=options)
         else:
-            self.channel = grpc.aio.secure_channel(target, creds)
+            self.channel = grpc.aio.secure_channel(target, creds, options=options)
+        self.creds = creds
+
+    def another(self, port: int) -> Envoy:
+        """A second connection to the same picker, with the same credentials."""
+        return Envoy(port, creds=self.creds)
 
     async def aclose(self) -> None:
         await self.channel.close()

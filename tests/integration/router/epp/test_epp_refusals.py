@@ -88,16 +88,31 @@ async def test_an_oversized_body_is_413_and_a_slow_one_408(workers, epp):
     assert r.state.placer.inflight == 0 and r.state.placer.load.inflight("a") == 0
 
 
-async def test_past_max_streams_is_429(workers, epp):
+async def test_past_max_streams_one_connection_waits_another_is_429(workers, epp, http):
+    """One connection carries at most epp.max_streams streams (HTTP/2's
+    MAX_CONCURRENT_STREAMS): its next one waits in the client, then is served. Another
+    connection's stream past the limit is answered 429, counted (reason max_streams)."""
     a = await workers("a")
     r, envoy = await epp([a], epp={"max_streams": 1})
     open_one = envoy.open()
     await open_one.write(headers_request([(":method", "POST"), (":path", "/v1/completions")]))
     await wait_for(lambda: _streams(r) == 1, 10, "one stream")
-    status, err = error_of(await envoy.pick("/v1/completions", completion("x")))
-    assert status == 429 and "max_streams" in err["message"]
-    open_one.cancel()
-    await wait_for(lambda: _streams(r) == 0, 10, "the stream closed")
+    waiting = asyncio.ensure_future(envoy.pick("/v1/completions", completion("queued")))
+    other = envoy.another(r.app.state.epp_port)
+    try:
+        status, err = error_of(await other.pick("/v1/completions", completion("x")))
+        assert status == 429 and "max_streams" in err["message"]
+        assert not waiting.done()  # (behind the first, in its connection's client)
+        open_one.cancel()
+        served = await asyncio.wait_for(waiting, 10)
+        assert served.immediate is None and served.endpoint == endpoint_of(a.url)
+        served.call.cancel()
+    finally:
+        await other.aclose()
+    await wait_for(lambda: _streams(r) == 0, 10, "the streams closed")
+    text = (await http.get(r.url + "/metrics")).text
+    assert metric(text, "kvrouter_epp_streams_refused_total", reason="max_streams") == 1
+    assert metric(text, "kvrouter_epp_streams") == 0
 
 
 def _streams(r) -> int:

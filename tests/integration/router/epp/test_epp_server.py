@@ -16,7 +16,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from epp_envoy import Envoy, headers_request
+from epp_envoy import Envoy, headers_request, served_certificate
 from grpc_health.v1.health_pb2 import HealthCheckResponse
 from router_fakeworker import wait_for
 
@@ -119,7 +119,8 @@ async def test_kvrouter_serve_runs_the_epp_with_uvicorn_on_one_uvloop_loop(worke
         assert m, "no listening line"
         e = EPP_LINE.search(await asyncio.wait_for(proc.stdout.readline(), 60))
         assert e, "no EPP line after the listening line"
-        envoy = Envoy(int(e.group(1)))
+        pem = await served_certificate(int(e.group(1)))  # (TLS, self-signed: the default)
+        envoy = Envoy(int(e.group(1)), creds=grpc.ssl_channel_credentials(root_certificates=pem))
         try:
             url = f"http://127.0.0.1:{m.group(1).decode()}"
             assert (await http.get(url + "/health")).status_code == 200
