@@ -1,6 +1,7 @@
 """``kvrouter up``: a router and N bundled engines on this machine, wired together.
 
-Engines start first, each on free loopback ports (HTTP, events, replay) with a CPU_PINNED tier
+The router's port is tried first: one in use fails at once, in one line, exit status 5
+(:class:`router.errors.ListenError`'s). Engines start then, each on free loopback ports (HTTP, events, replay) with a CPU_PINNED tier
 and an EXTERNAL pool shared through one temporary directory (or ``--external redis://...``);
 each prints its ready line with the bound addresses. Then the router starts with one ``--worker``
 spec per engine (``pool=local``: EXTERNAL hits of one count for all). The router URL is printed
@@ -16,6 +17,7 @@ import queue
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +30,8 @@ from types import FrameType
 from typing import Any, TextIO
 
 import httpx
+
+from router.errors import ListenError
 
 __all__ = [
     "ENGINE_READY",
@@ -234,6 +238,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.workers < 1:
         print("kvrouter up: --workers must be >= 1", file=sys.stderr)
         return 2
+    try:  # the router's port, before any engine starts: one in use fails now, in one line
+        _probe_listen(args.host, args.port)
+    except ListenError as e:
+        print(f"kvrouter up: {e}", file=sys.stderr)
+        return e.exit_code
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -252,6 +261,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def _probe_listen(host: str, port: int) -> None:
+    """:class:`ListenError` unless the router could listen on ``host:port`` now (the router binds
+    it itself: router.edge.server.bind_listener, which the replay's import contract keeps out of
+    this module)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        socket.create_server((host, port), family=family).close()
+    except OSError as e:
+        raise ListenError.binding(host, port, e) from e
 
 
 def _run(args: argparse.Namespace, tmp: Path, children: list[Child], stop: threading.Event) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -137,7 +138,7 @@ def test_a_dying_engine_stops_the_whole_fleet(tmp_path: Path) -> None:
             lines.append(line)
             m = re.match(r"\[engine-0\] .*Started server process \[(\d+)\]", line)
             engine_pid = int(m.group(1)) if m else engine_pid
-            router_up = router_up or ("[router]" in line and "Uvicorn running" in line)
+            router_up = router_up or "[router] kvrouter router listening on" in line
             if engine_pid and router_up:
                 break
         assert engine_pid, "".join(lines)
@@ -153,3 +154,19 @@ def test_a_dying_engine_stops_the_whole_fleet(tmp_path: Path) -> None:
             proc.wait()
         if proc.stderr is not None:
             proc.stderr.close()
+
+
+def test_a_port_in_use_fails_before_any_engine_in_one_line() -> None:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    with socket.create_server(("127.0.0.1", 0)) as held:  # (8000, the default, is vLLM's too)
+        port = held.getsockname()[1]
+        done = subprocess.run(
+            [*_command(), "up", "--port", str(port)],
+            capture_output=True, text=True, env=env, cwd=ROOT, timeout=60,
+        )  # fmt: skip
+    assert done.returncode == 5  # a ListenError's, as kvrouter serve's
+    assert done.stderr.splitlines() == [  # no engine was started: no line of theirs
+        f"kvrouter up: cannot listen on 127.0.0.1:{port}: the port is in use by another "
+        "program: give another --port, or --port 0 for any free port"
+    ]
