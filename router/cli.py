@@ -32,18 +32,39 @@ import uvicorn
 
 from router.edge.processes import process_settings, run_processes
 from router.edge.server import RouterServer, bind_listener, server_config
-from router.errors import RouterError
-from router.settings import Settings, load_settings
+from router.errors import ConfigError, ListenError, RouterError, WorkerUnusable
+from router.settings import ENV_PREFIX, Settings, load_settings
 
 __all__ = ["build_parser", "main", "settings_from_args"]
 
 log = logging.getLogger("kvrouter.cli")
 
 
+def _epilog() -> str:
+    e = ENV_PREFIX
+    return f"""\
+Envoy endpoint picker (EPP): with epp.port set (config, or {e}EPP__PORT)
+the router also serves Envoy's ext_proc gRPC there, picking the worker for
+each request of an Envoy or a Gateway API InferencePool in front of the
+fleet. It needs the epp extra (pip install -e '.[epp]'); docs/deploy.md.
+
+Environment: any setting as {e}<KEY>, nested keys joined by __; it
+overrides the config file and flags override it. {e}CONFIG=FILE (the
+config), {e}PORT=9000, {e}SCORING__OVERLAP_WEIGHT=2,
+{e}ADMIN_KEY (the key /workers needs: unlike --admin-key, out of
+ps), {e}ADMIN_KEY_FILE, {e}API_KEYS_FILE. All: docs/configuration.md.
+
+Exit status at start: {ConfigError.exit_code} a setting, {WorkerUnusable.exit_code} a worker that cannot be set up,
+{ListenError.exit_code} an address that cannot be listened on (one line on stderr says which).
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvrouter serve",
         description="KV-aware router: /route placement API and OpenAI proxy over a worker fleet.",
+        epilog=_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", help="router YAML config (see configs/router.example.yaml)")
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
@@ -66,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SPEC",
         help="id=w0,url=http://127.0.0.1:8001,events=tcp://127.0.0.1:5557"
         "[,replay=tcp://127.0.0.1:5558][,dp=2][,pool=P][,model=M]"
-        "[,role=prefill|decode|both][,bootstrap=PORT] (repeatable)",
+        "[,role=prefill|decode|both][,bootstrap=PORT] (repeatable); without events=, "
+        "the worker's GET /kv_event_sources (vLLM) says them",
     )
     p.add_argument("--processes", type=int, help="router processes on one port, synced (default 1)")
     p.add_argument(
@@ -76,10 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="URL",
         help="a peer router whose index to start from (tried before replicas.warm_from)",
     )
-    p.add_argument(
-        "--fd", type=int, help="serve on this inherited listening socket, not --host/--port"
-    )
-    # one of --processes' processes: "I/N", and the directory of their sync endpoints
+    # --processes' own: the inherited listening socket (not --host/--port), "I/N", and the
+    # directory of their sync endpoints; internal, so out of --help
+    p.add_argument("--fd", type=int, help=argparse.SUPPRESS)
     p.add_argument("--process", help=argparse.SUPPRESS)
     p.add_argument("--sync-dir", help=argparse.SUPPRESS)
     return p
