@@ -166,6 +166,10 @@ def _sim_options(items: Sequence[str]) -> dict[str, float]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        if args.plots:  # now, not after a run of minutes
+            from kvrouter.replay.plots import check_plotting
+
+            check_plotting()
         if args.kv_tokens is not None:
             if args.kv_tokens <= 0 or args.kv_tokens % args.block_size:
                 raise TraceError(
@@ -184,17 +188,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (TraceError, ValueError, ConfigError) as e:
         print(f"kvrouter replay: {e}", file=sys.stderr)
         return 2
-    from kvrouter.replay.report import error_kinds, format_table, plot, row, write_json
+    from kvrouter.replay.report import error_kinds, format_table, row, write_json
 
     ideal = ideal_hit(reqs, args.trace_block)
     capacity = args.workers * args.gpu_blocks * args.block_size
     pooled = pooled_lru_hit(reqs, args.trace_block, capacity)
     table = [row(r, ideal, pooled) for r in runs]
     where = Path(args.trace).name if args.workload == "trace" else "shared-prefix"
-    title = (
+    caption = (
         f"{args.mode}: {where} [{args.start},{args.start + len(reqs)}) {len(reqs)} requests, "
-        f"{args.workers} workers x {args.gpu_blocks * args.block_size} tokens, "
-        f"infinite-cache ideal {ideal:.1%}, one pooled LRU cache of the fleet's size {pooled:.1%}"
+        f"{args.workers} workers x {args.gpu_blocks * args.block_size} tokens"
+    )
+    title = (
+        f"{caption}, infinite-cache ideal {ideal:.1%}, one pooled LRU cache of the fleet's size "
+        f"{pooled:.1%}"
     )
     print(format_table(title, table))
     errors = {r.policy: error_kinds(r) for r in runs if any(o.error for o in r.outcomes)}
@@ -213,7 +220,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             meta["wall_s"] = {r.policy: round(r.wall_s, 1) for r in runs}
         write_json(args.json, meta, table)
     if args.plots:
-        paths = plot(Path(args.plots), runs, table, ideal)
+        from kvrouter.replay.plots import plot
+
+        paths = plot(Path(args.plots), runs, table, ideal, pooled, caption)
         print("plots:", *paths)
     return 0
 
