@@ -103,7 +103,7 @@ def create_app(settings: Settings, *, process: int = 0) -> RouterApp:
             from router.edge.epp.server import EppServer
         except ImportError as e:
             raise ConfigError(
-                f"epp.port needs the epp extra (pip install 'kvrouter[epp]'): {e}"
+                f"epp.port needs the epp extra (pip install -e '.[epp]' in the kvrouter checkout): {e}"
             ) from e
         epp_server = EppServer
 

@@ -4,6 +4,7 @@ lands on turn 1's worker and is served from its cache."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -170,3 +171,33 @@ def test_a_port_in_use_fails_before_any_engine_in_one_line() -> None:
         f"kvrouter up: cannot listen on 127.0.0.1:{port}: the port is in use by another "
         "program: give another --port, or --port 0 for any free port"
     ]
+
+
+def test_the_admin_key_file_reaches_the_router(tmp_path: Path) -> None:
+    key = tmp_path / "admin.key"
+    key.write_text("s3cret\n")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env.pop("KVROUTER_ADMIN_KEY", None)
+    proc = subprocess.Popen(
+        [*_command(), "up", "--workers", "1", "--port", "0", "--admin-key-file", str(key)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=ROOT,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        url = next(
+            m.group(1) for line in proc.stdout if (m := re.search(r"router (http://\S+)", line))
+        )
+        assert httpx.get(url + "/workers", timeout=10).status_code == 401
+        got = httpx.get(url + "/workers", headers={"Authorization": "Bearer s3cret"}, timeout=10)
+        assert got.status_code == 200 and "engine-0" in got.text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # nothing should be left; make sure
+            if proc.stdout is not None:
+                proc.stdout.close()
