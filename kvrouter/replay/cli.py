@@ -197,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     where = Path(args.trace).name if args.workload == "trace" else "shared-prefix"
     caption = (
         f"{args.mode}: {where} [{args.start},{args.start + len(reqs)}) {len(reqs)} requests, "
-        f"{args.workers} workers x {args.gpu_blocks * args.block_size} tokens"
+        f"{args.workers} workers x {args.gpu_blocks * args.block_size:,} tokens"
     )
     title = (
         f"{caption}, infinite-cache ideal {ideal:.1%}, one pooled LRU cache of the fleet's size "

@@ -25,7 +25,7 @@ from kvrouter.replay.virtual import VirtualFleet, VirtualRun, run_virtual
 
 ROOT = Path(__file__).resolve().parents[3]
 TB = 64
-CAPTION = "virtual: t.jsonl [0,36) 36 requests, 2 workers x 8192 tokens"
+CAPTION = "virtual: t.jsonl [0,36) 36 requests, 2 workers x 8,192 tokens"
 
 
 @pytest.fixture(scope="module")
