@@ -15,12 +15,17 @@ from kvrouter import __version__
 __all__ = ["main"]
 
 USAGE = """usage: kvrouter <command> [options]
+       kvrouter --version
 
 commands:
   serve    run the router            (kvrouter serve --help)
   engine   run a bundled engine      (kvrouter engine --help)
   up       run a router and N engines on this machine (kvrouter up --help)
   replay   replay a trace through every routing policy (kvrouter replay --help)
+
+options:
+  -h, --help     show this help and exit
+  -V, --version  print kvrouter's version and exit
 """
 
 

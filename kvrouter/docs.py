@@ -95,6 +95,14 @@ def settings_rows(struct: type[msgspec.Struct], prefix: str = "") -> Iterator[tu
         yield key, _type_name(tp), shown or json.dumps(msgspec.to_builtins(default))
 
 
+def exit_statuses() -> list[str]:
+    """One list item per kind of start-up failure: its exit status and its class's docstring."""
+    from router.errors import ConfigError, ListenError, WorkerUnusable
+
+    kinds = (ConfigError, WorkerUnusable, ListenError)
+    return [f"- `{k.exit_code}`: {' '.join((k.__doc__ or '').split())}" for k in kinds]
+
+
 def configuration_md() -> str:
     from router.settings import ENV_PREFIX, Settings
 
@@ -109,6 +117,14 @@ def configuration_md() -> str:
         f"environment variables (`{ENV_PREFIX}<KEY>`, nested keys joined by `__`), overridden by flags.",
         "An unknown key, a wrong type or an out-of-range value stops the router at start, naming the",
         "key. `configs/router.example.yaml` is a complete file with every default.",
+        "",
+        "A failure at start is one line on stderr (`kvrouter: ...`, saying what to do), and",
+        "`kvrouter serve` exits with a status that tells its kind (`kvrouter up` too, for its",
+        "router's address):",
+        "",
+        *exit_statuses(),
+        "",
+        "Anything else is a bug to report: a traceback, and uvicorn's status 3.",
         "",
         "| key | type | default | environment | description |",
         "|---|---|---|---|---|",

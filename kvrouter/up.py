@@ -1,6 +1,7 @@
 """``kvrouter up``: a router and N bundled engines on this machine, wired together.
 
-Engines start first, each on free loopback ports (HTTP, events, replay) with a CPU_PINNED tier
+The router's port is tried first: one in use fails at once, in one line, exit status 5
+(:class:`router.errors.ListenError`'s). Engines start then, each on free loopback ports (HTTP, events, replay) with a CPU_PINNED tier
 and an EXTERNAL pool shared through one temporary directory (or ``--external redis://...``);
 each prints its ready line with the bound addresses. Then the router starts with one ``--worker``
 spec per engine (``pool=local``: EXTERNAL hits of one count for all). The router URL is printed
@@ -16,6 +17,7 @@ import queue
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +30,8 @@ from types import FrameType
 from typing import Any, TextIO
 
 import httpx
+
+from router.errors import ListenError
 
 __all__ = [
     "ENGINE_READY",
@@ -121,19 +125,49 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     p.add_argument("--workers", type=int, default=2, help="number of engines (default 2)")
-    p.add_argument("--runner", default="sim", choices=("sim", "torch"))
-    p.add_argument("--host", default="127.0.0.1", help="router bind address")
-    p.add_argument("--port", type=int, default=8000, help="router port, 0 = any free port")
+    p.add_argument(
+        "--runner",
+        default="sim",
+        choices=("sim", "torch"),
+        help="sim: simulated timing, no model (default); torch: a real model on this machine",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="router bind address (default 127.0.0.1)")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=8000,
+        help="router port (default 8000, vLLM's default too), 0 = any free port",
+    )
     p.add_argument("--model", help="engine --model (torch: HF dir or tiny-random[:...])")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--gpu-blocks", type=int, default=2048)
-    p.add_argument("--cpu-blocks", type=int, default=1024)
-    p.add_argument("--speedup", type=float, default=1.0)
+    p.add_argument(
+        "--block-size", type=int, default=16, help="tokens per KV block, router and engines (16)"
+    )
+    p.add_argument(
+        "--gpu-blocks", type=int, default=2048, help="GPU tier per engine, in blocks (2048)"
+    )
+    p.add_argument(
+        "--cpu-blocks", type=int, default=1024, help="CPU_PINNED tier per engine, in blocks (1024)"
+    )
+    p.add_argument(
+        "--speedup", type=float, default=1.0, help="sim: divide every simulated delay by this (1)"
+    )
     p.add_argument(
         "--external", help="EXTERNAL pool on Redis (redis://HOST:PORT/DB) instead of a dir"
     )
     p.add_argument("--external-dir", help="shared EXTERNAL directory (default: a temporary one)")
-    p.add_argument("--ready-timeout", type=float, default=120.0)
+    p.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=120.0,
+        metavar="S",
+        help="seconds each engine and the router get to start (default 120)",
+    )
+    p.add_argument(
+        "--admin-key-file",
+        metavar="PATH",
+        help="the router's admin key (for /workers) from this file; or KVROUTER_ADMIN_KEY in the "
+        "environment, which the router inherits",
+    )
     p.add_argument(
         "--engine-arg",
         action="append",
@@ -184,11 +218,18 @@ def worker_spec(name: str, ready: re.Match[str], pool: str | None = None) -> str
 
 
 def router_argv(
-    specs: Sequence[str], *, host: str = "127.0.0.1", port: int = 0, block_size: int = 16
+    specs: Sequence[str],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    block_size: int = 16,
+    admin_key_file: str | None = None,
 ) -> list[str]:
     """The router in front of those workers; it prints ROUTER_READY with its bound URL."""
     argv = [sys.executable, "-m", "router", "--host", host, "--port", str(port)]
     argv += ["--block-size", str(block_size)]
+    if admin_key_file is not None:
+        argv += ["--admin-key-file", admin_key_file]
     for spec in specs:
         argv += ["--worker", spec]
     return argv
@@ -234,6 +275,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.workers < 1:
         print("kvrouter up: --workers must be >= 1", file=sys.stderr)
         return 2
+    try:  # the router's port, before any engine starts: one in use fails now, in one line
+        _probe_listen(args.host, args.port)
+    except ListenError as e:
+        print(f"kvrouter up: {e}", file=sys.stderr)
+        return e.exit_code
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -252,6 +298,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def _probe_listen(host: str, port: int) -> None:
+    """:class:`ListenError` unless the router could listen on ``host:port`` now (the router binds
+    it itself: router.edge.server.bind_listener, which the replay's import contract keeps out of
+    this module)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        socket.create_server((host, port), family=family).close()
+    except OSError as e:
+        raise ListenError.binding(host, port, e) from e
 
 
 def _run(args: argparse.Namespace, tmp: Path, children: list[Child], stop: threading.Event) -> int:
@@ -276,7 +333,13 @@ def _run(args: argparse.Namespace, tmp: Path, children: list[Child], stop: threa
         worker_spec(c.name, c.wait_line(ENGINE_READY, args.ready_timeout, stop), pool="local")
         for c in children
     ]
-    router_cmd = router_argv(specs, host=args.host, port=args.port, block_size=args.block_size)
+    router_cmd = router_argv(
+        specs,
+        host=args.host,
+        port=args.port,
+        block_size=args.block_size,
+        admin_key_file=args.admin_key_file,
+    )
     router = spawn("router", router_cmd)
     children.append(router)
     router_url = router.wait_line(ROUTER_READY, args.ready_timeout, stop).group(1)

@@ -8,6 +8,11 @@ supervises N router processes on one port instead (:mod:`router.edge.processes`)
 is this same ``main`` on the inherited socket (``--fd``), and prints
 ``kvrouter router process I (pid P) listening on ...``. With the endpoint picker on
 (``epp.port``), a second line ``kvrouter EPP listening on HOST:PORT`` follows.
+
+The listening socket is bound before the app starts. A failure at start that the router knows
+(a :class:`router.errors.RouterError`: a setting, a worker, the address) is one line on stderr
+and the exit status of its kind (``exit_code``); the lifespan's are kept in the app's
+``state.startup_error`` and reach here without uvicorn's traceback of them.
 """
 
 from __future__ import annotations
@@ -25,20 +30,41 @@ from typing import Any
 import msgspec
 import uvicorn
 
-from router.edge.processes import bind_listener, process_settings, run_processes
-from router.edge.server import RouterServer
-from router.errors import ConfigError
-from router.settings import Settings, load_settings
+from router.edge.processes import process_settings, run_processes
+from router.edge.server import RouterServer, bind_listener, server_config
+from router.errors import ConfigError, ListenError, RouterError, WorkerUnusable
+from router.settings import ENV_PREFIX, Settings, load_settings
 
 __all__ = ["build_parser", "main", "settings_from_args"]
 
 log = logging.getLogger("kvrouter.cli")
 
 
+def _epilog() -> str:
+    e = ENV_PREFIX
+    return f"""\
+Envoy endpoint picker (EPP): with epp.port set (config, or {e}EPP__PORT)
+the router also serves Envoy's ext_proc gRPC there, picking the worker for
+each request of an Envoy or a Gateway API InferencePool in front of the
+fleet. It needs the epp extra (pip install -e '.[epp]'); docs/deploy.md.
+
+Environment: any setting as {e}<KEY>, nested keys joined by __; it
+overrides the config file and flags override it. {e}CONFIG=FILE (the
+config), {e}PORT=9000, {e}SCORING__OVERLAP_WEIGHT=2,
+{e}ADMIN_KEY (the key /workers needs: unlike --admin-key, out of
+ps), {e}ADMIN_KEY_FILE, {e}API_KEYS_FILE. All: docs/configuration.md.
+
+Exit status at start: {ConfigError.exit_code} a setting, {WorkerUnusable.exit_code} a worker that cannot be set up,
+{ListenError.exit_code} an address that cannot be listened on (one line on stderr says which).
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvrouter serve",
         description="KV-aware router: /route placement API and OpenAI proxy over a worker fleet.",
+        epilog=_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", help="router YAML config (see configs/router.example.yaml)")
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
@@ -61,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SPEC",
         help="id=w0,url=http://127.0.0.1:8001,events=tcp://127.0.0.1:5557"
         "[,replay=tcp://127.0.0.1:5558][,dp=2][,pool=P][,model=M]"
-        "[,role=prefill|decode|both][,bootstrap=PORT] (repeatable)",
+        "[,role=prefill|decode|both][,bootstrap=PORT] (repeatable); without events=, "
+        "the worker's GET /kv_event_sources (vLLM) says them",
     )
     p.add_argument("--processes", type=int, help="router processes on one port, synced (default 1)")
     p.add_argument(
@@ -71,10 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="URL",
         help="a peer router whose index to start from (tried before replicas.warm_from)",
     )
-    p.add_argument(
-        "--fd", type=int, help="serve on this inherited listening socket, not --host/--port"
-    )
-    # one of --processes' processes: "I/N", and the directory of their sync endpoints
+    # --processes' own: the inherited listening socket (not --host/--port), "I/N", and the
+    # directory of their sync endpoints; internal, so out of --help
+    p.add_argument("--fd", type=int, help=argparse.SUPPRESS)
     p.add_argument("--process", help=argparse.SUPPRESS)
     p.add_argument("--sync-dir", help=argparse.SUPPRESS)
     return p
@@ -100,6 +126,19 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         replicas = msgspec.structs.replace(settings.replicas, warm_from=warm)
         settings = msgspec.structs.replace(settings, replicas=replicas)
     return settings
+
+
+class _KnownStartupFailure(logging.Filter):
+    """Drops uvicorn's "Application startup failed. Exiting." when the app knows why
+    (``state.startup_error``): :func:`main` says that in one line instead."""
+
+    def __init__(self, state: Any) -> None:
+        super().__init__()
+        self._state = state
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        known = getattr(self._state, "startup_error", None) is not None
+        return not (known and record.getMessage().startswith("Application startup failed"))
 
 
 class _Server(RouterServer):
@@ -134,7 +173,17 @@ class _Server(RouterServer):
         self.should_exit = True
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets)
+        quiet = _KnownStartupFailure(self._app.state)
+        logging.getLogger("uvicorn.error").addFilter(quiet)
+        try:
+            await super().startup(sockets)
+        except SystemExit:  # uvicorn's on a failed lifespan: the reason, if the app knows it
+            failed = getattr(self._app.state, "startup_error", None)
+            if failed is None:
+                raise
+            raise failed from failed.__cause__  # main prints it
+        finally:
+            logging.getLogger("uvicorn.error").removeFilter(quiet)
         if not self.started:
             return
         urls = []
@@ -160,40 +209,44 @@ class _Server(RouterServer):
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    process: int | None = None
     try:
-        settings = settings_from_args(args)
-        if args.process is not None:
-            settings, process = process_settings(settings, args.process, args.sync_dir or "")
-        _logging(settings, args)
-        if settings.server.processes > 1:
-            return run_processes(argv, settings)
-        from router.edge.app import create_app
-
-        app = create_app(settings, process=process or 0)
-    except ConfigError as e:
+        return _serve(argv, args)
+    except RouterError as e:  # a start-up failure the router knows: one line, its own status
         print(f"kvrouter: {e}", file=sys.stderr)
-        return 2
-    from router.edge.server import server_config
+        return e.exit_code
 
-    try:  # (raises the soft RLIMIT_NOFILE; fails when it leaves no room for clients)
-        config = server_config(
-            app, host=settings.host, port=settings.port, log_level=settings.log_level
-        )
-    except ConfigError as e:
-        print(f"kvrouter: {e}", file=sys.stderr)
-        return 2
-    sockets = None
+
+def _serve(argv: list[str], args: argparse.Namespace) -> int:
+    process: int | None = None
+    settings = settings_from_args(args)
+    if args.process is not None:
+        settings, process = process_settings(settings, args.process, args.sync_dir or "")
+    _logging(settings, args)
+    if settings.server.processes > 1:
+        return run_processes(argv, settings)
     if args.fd is not None:  # inherited, already listening (router.edge.processes)
         sockets = [socket.socket(fileno=args.fd)]
         port = settings.server.metrics_port
         if process is not None and port is not None:  # this process's own port besides
-            sockets.append(bind_listener(settings.host, port + process if port else 0))
+            port = port + process if port else 0
+            sockets.append(bind_listener(settings.host, port, "server.metrics_port"))
+    else:  # bound first: a port in use fails here, before the app subscribes to any worker
+        sockets = [bind_listener(settings.host, settings.port)]
+    from router.edge.app import create_app
+
+    app = create_app(settings, process=process or 0)
+    # (raises the soft RLIMIT_NOFILE; fails when it leaves no room for clients)
+    config = server_config(
+        app, host=settings.host, port=settings.port, log_level=settings.log_level
+    )
     server = _Server(config, app, settings.server.drain_grace_s, process)
     try:
         _run(server.serve(sockets))
     except KeyboardInterrupt:
         pass
+    finally:
+        for sock in sockets:
+            sock.close()
     return 0 if server.started else 1
 
 

@@ -8,6 +8,7 @@ Handlers raise these; the edge turns every one into the documented status code. 
 
 from __future__ import annotations
 
+import errno
 import secrets
 from collections.abc import Sequence
 
@@ -22,16 +23,19 @@ __all__ = [
     "ErrorDetail",
     "Forbidden",
     "GatewayTimeout",
+    "ListenError",
     "MethodNotAllowed",
     "NoHealthyWorker",
     "NotFound",
     "PayloadTooLarge",
     "RequestTimeout",
     "RouterError",
+    "StartupError",
     "TokenizeError",
     "TooManyRequests",
     "Unauthorized",
     "UnprocessableEntity",
+    "WorkerUnusable",
     "config_check",
     "error_json",
     "require_bearer",
@@ -60,6 +64,10 @@ class RouterError(Exception):
 
     status = 500
     type = "internal_error"
+    #: the exit status of ``kvrouter serve`` when this stops it at start (its message the one
+    #: line it prints); distinct per kind, so a supervisor can tell a bad setting (retrying will
+    #: not help) from a worker not up yet or a port still held (it may)
+    exit_code = 1
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -69,9 +77,52 @@ class RouterError(Exception):
 
 
 class ConfigError(RouterError):
-    """Invalid settings: raised at start, the message names the bad key."""
+    """Invalid settings: the message names the bad key (a ``tokenizer: hf:`` directory
+    without ``tokenizer.json`` too)."""
 
     type = "config_error"
+    exit_code = 2
+
+
+class StartupError(RouterError):
+    """The router cannot start though its settings are valid: something they name is not
+    there as they say. (Not 3: uvicorn's own exit status for a start-up that failed otherwise,
+    with a traceback.)"""
+
+    type = "startup_error"
+
+
+class WorkerUnusable(StartupError):
+    """A configured worker cannot be set up at start: its event endpoints unknown (no
+    ``events=`` and no ``GET /kv_event_sources``) or not subscribable. It may not be up yet."""
+
+    exit_code = 4
+
+
+class ListenError(StartupError):
+    """The router's address cannot be listened on: held by another server, not this machine's,
+    or a privileged port."""
+
+    exit_code = 5
+
+    @classmethod
+    def binding(cls, host: str, port: int, e: OSError, flag: str = "--port") -> ListenError:
+        """The error for ``e``, raised binding ``host:port``, saying what to do; ``flag`` is the
+        option that named the port."""
+        if e.errno == errno.EADDRINUSE:  # (8000, the default, is vLLM's default too)
+            what = (
+                f"the port is in use by another program: give another {flag}, "
+                f"or {flag} 0 for any free port"
+            )
+        elif e.errno == errno.EACCES:
+            what = (
+                f"permission denied (a port below 1024 needs privileges): give a {flag} above 1023"
+            )
+        elif e.errno == errno.EADDRNOTAVAIL or (e.errno or 0) < 0:  # (< 0: getaddrinfo's)
+            what = "not an address of this machine: give --host 127.0.0.1, or 0.0.0.0 for all"
+        else:
+            what = e.strerror or str(e)
+        return cls(f"cannot listen on {host}:{port}: {what}")
 
 
 class BadRequest(RouterError):

@@ -45,7 +45,7 @@ def make_runner(name: str, config: RunnerConfig) -> ModelRunner:
             from engine.torch_runner import TorchRunner
         except ImportError as exc:
             raise RunnerError(
-                f"the torch runner is not available ({exc}); install kvrouter[torch]"
+                f"the torch runner is not available ({exc}); in the kvrouter checkout: pip install -e '.[torch]'"
             ) from exc
         return TorchRunner(config)
     raise RunnerError(f"unknown runner {name!r}; choose one of {', '.join(RUNNERS)}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -47,13 +48,18 @@ def _parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(
         prog="kvrouter replay",
-        description=__doc__,
+        description=_plain(__doc__ or ""),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    a = p.add_argument
-    a("--mode", choices=("virtual", "live"), default="virtual")
+    a = p.add_argument_group("workload and output (both modes)").add_argument
+    a("--mode", choices=("virtual", "live"), default="virtual", help="(default virtual)")
     a("--trace", help="Mooncake JSONL (timestamp ms, input_length, output_length, hash_ids)")
-    a("--workload", choices=("trace", "shared-prefix"), default="trace")
+    a(
+        "--workload",
+        choices=("trace", "shared-prefix"),
+        default="trace",
+        help="the --trace file (default), or a generated shared-prefix one",
+    )
     a("--start", type=int, default=0, help="first trace record (default 0)")
     a("--count", type=int, default=None, help="records to replay (default: all)")
     a("--trace-block", type=int, default=512, help="tokens per trace hash id (default 512)")
@@ -67,13 +73,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     a("--policies", help=f"comma-separated (virtual: {VIRTUAL_DEFAULT}; live: {LIVE_DEFAULT})")
     a("--config", help="router YAML whose scoring policy kvrouter uses")
-    a("--seed", type=int, default=0)
+    a("--seed", type=int, default=0, help="for the random choices (default 0)")
     a("--json", metavar="PATH", help="write the table and the arguments here")
     a("--plots", metavar="DIR", help="write ttft_cdf.png and hit_rate.png here")
-    a("--no-progress", action="store_true", help="no progress bar on stderr")
+    a("--no-progress", action="store_true", help="no progress on stderr")
     f = p.add_argument_group("fleet (both modes)")
-    f.add_argument("--workers", type=int, default=8)
-    f.add_argument("--block-size", type=int, default=16)
+    f.add_argument("--workers", type=int, default=8, help="(default 8)")
+    f.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     f.add_argument("--gpu-blocks", type=int, default=65536, help="per worker (default 65536)")
     f.add_argument(
         "--kv-tokens",
@@ -83,8 +89,15 @@ def _parser() -> argparse.ArgumentParser:
         "evict what the trace reuses)",
     )
     v = p.add_argument_group("virtual time (--mode virtual)")
-    v.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    v.add_argument("--max-num-seqs", type=int, default=64)
+    v.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="an engine's tokens per step (default 2048)",
+    )
+    v.add_argument(
+        "--max-num-seqs", type=int, default=64, help="an engine's running requests (default 64)"
+    )
     v.add_argument("--event-delay-ms", type=float, default=5.0, help="events reach the index late")
     v.add_argument(
         "--sim-option",
@@ -113,10 +126,15 @@ def _parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("generated shared-prefix workload (--workload shared-prefix)")
     for name, default in vars(SharedPrefixSpec()).items():
         if name != "seed":
-            g.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
-    a("--speedup", type=float, default=1.0, help="live: arrivals at timestamp / speedup")
+            flag = f"--{name.replace('_', '-')}"
+            g.add_argument(flag, type=type(default), default=default, help=f"(default {default})")
     add_live_arguments(p)
     return p
+
+
+def _plain(doc: str) -> str:
+    """A docstring as --help shows it: no Sphinx roles (:mod:`x` -> x), no ``literal`` marks."""
+    return re.sub(r":\w+:`~?([^`]*)`", r"\1", doc).replace("``", "")
 
 
 def _workload(args: argparse.Namespace) -> list[TraceRequest]:
@@ -148,6 +166,10 @@ def _sim_options(items: Sequence[str]) -> dict[str, float]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        if args.plots:  # now, not after a run of minutes
+            from kvrouter.replay.plots import check_plotting
+
+            check_plotting()
         if args.kv_tokens is not None:
             if args.kv_tokens <= 0 or args.kv_tokens % args.block_size:
                 raise TraceError(
@@ -166,17 +188,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (TraceError, ValueError, ConfigError) as e:
         print(f"kvrouter replay: {e}", file=sys.stderr)
         return 2
-    from kvrouter.replay.report import error_kinds, format_table, plot, row, write_json
+    from kvrouter.replay.report import error_kinds, format_table, row, write_json
 
     ideal = ideal_hit(reqs, args.trace_block)
     capacity = args.workers * args.gpu_blocks * args.block_size
     pooled = pooled_lru_hit(reqs, args.trace_block, capacity)
     table = [row(r, ideal, pooled) for r in runs]
     where = Path(args.trace).name if args.workload == "trace" else "shared-prefix"
-    title = (
+    caption = (
         f"{args.mode}: {where} [{args.start},{args.start + len(reqs)}) {len(reqs)} requests, "
-        f"{args.workers} workers x {args.gpu_blocks * args.block_size} tokens, "
-        f"infinite-cache ideal {ideal:.1%}, one pooled LRU cache of the fleet's size {pooled:.1%}"
+        f"{args.workers} workers x {args.gpu_blocks * args.block_size:,} tokens"
+    )
+    title = (
+        f"{caption}, infinite-cache ideal {ideal:.1%}, one pooled LRU cache of the fleet's size "
+        f"{pooled:.1%}"
     )
     print(format_table(title, table))
     errors = {r.policy: error_kinds(r) for r in runs if any(o.error for o in r.outcomes)}
@@ -195,7 +220,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             meta["wall_s"] = {r.policy: round(r.wall_s, 1) for r in runs}
         write_json(args.json, meta, table)
     if args.plots:
-        paths = plot(Path(args.plots), runs, table, ideal)
+        from kvrouter.replay.plots import plot
+
+        paths = plot(Path(args.plots), runs, table, ideal, pooled, caption)
         print("plots:", *paths)
     return 0
 

@@ -217,6 +217,7 @@ def add_live_arguments(p: argparse.ArgumentParser) -> None:
     """``kvrouter replay --mode live`` options: where the requests go (see :class:`LiveTargets`)."""
     g = p.add_argument_group("live mode (--mode live)")
     a = g.add_argument
+    a("--speedup", type=float, default=1.0, help="arrivals at timestamp / speedup (default 1)")
     a("--router-url", help="a running kvrouter for policy kvrouter (default: a fresh fleet's)")
     a("--sglang-router-url", help="a running sglang-router for policy sglang")
     a("--smg-url", help="a running smg for policy smg")

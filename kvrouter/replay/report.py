@@ -1,4 +1,5 @@
-"""What a replay prints and writes: one row per policy, a JSON file, two PNG plots, a progress bar.
+"""What a replay prints and writes: one row per policy, a JSON file, its progress (the two PNG plots:
+:mod:`kvrouter.replay.plots`).
 
 A row (:func:`row`): requests served and failed; prefix hit rate (Σ cached / Σ prompt tokens, the
 engines' own ``cached_tokens``), its fraction of the infinite-cache ideal and of one pooled LRU
@@ -21,7 +22,7 @@ from typing import Any, Protocol, TextIO
 from kvrouter.replay.fleet import EngineCounters
 from kvrouter.replay.live_client import LiveOutcome
 
-__all__ = ["Progress", "Run", "error_kinds", "format_table", "plot", "row", "write_json"]
+__all__ = ["Progress", "Run", "error_kinds", "format_table", "row", "write_json"]
 
 
 class Run(Protocol):
@@ -79,11 +80,18 @@ def error_kinds(run: Run, limit: int = 5) -> dict[str, int]:
 
 
 def format_table(title: str, table: Sequence[dict[str, Any]]) -> str:
-    keys = list(dict.fromkeys(k for r in table for k in r))  # a column only some rows have: "-"
-    widths = [max(len(k), *(len(str(r.get(k, "-"))) for r in table)) for k in keys]
+    keys = list(dict.fromkeys(k for r in table for k in r))
+    cells = [[_cell(r.get(k)) for k in keys] for r in table]
+    widths = [max(len(k), *(len(row[i]) for row in cells)) for i, k in enumerate(keys)]
     lines = [title, "  ".join(k.ljust(w) for k, w in zip(keys, widths))]
-    lines += ["  ".join(str(r.get(k, "-")).ljust(w) for k, w in zip(keys, widths)) for r in table]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells]
     return "\n".join(lines)
+
+
+def _cell(value: Any) -> str:
+    # no value (a column only some rows have, no ideal to compare with, no CPU reading): "-",
+    # never Python's "None"
+    return "-" if value is None else str(value)
 
 
 def write_json(path: str | Path, meta: dict[str, Any], table: Sequence[dict[str, Any]]) -> None:
@@ -93,53 +101,27 @@ def write_json(path: str | Path, meta: dict[str, Any], table: Sequence[dict[str,
     p.write_text(json.dumps({**meta, "table": list(table)}, indent=1))
 
 
-def plot(
-    out: Path, runs: Sequence[Run], table: Sequence[dict[str, Any]], ideal: float
-) -> list[Path]:
-    """``ttft_cdf.png`` (TTFT CDF per policy) and ``hit_rate.png`` (hit rate per policy, the
-    ideal as a line) under ``out``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for run in runs:
-        s = sorted(o.ttft_s * 1000 for o in run.outcomes if o.ttft_s is not None)
-        if s:
-            ax.plot(s, [i / len(s) for i in range(len(s))], label=run.policy)
-    ax.set_xscale("log")
-    ax.set_xlabel("time to first token (ms)")
-    ax.set_ylabel("fraction of requests")
-    ax.legend()
-    ax.grid(True, alpha=0.3)
-    paths = [out / "ttft_cdf.png", out / "hit_rate.png"]
-    fig.savefig(paths[0], dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.bar([str(r["policy"]) for r in table], [float(r["hit_%"]) for r in table])
-    ax.axhline(ideal * 100, linestyle="--", color="gray", label="infinite-cache ideal")
-    ax.set_ylabel("prefix hit (% of prompt tokens)")
-    ax.legend()
-    fig.savefig(paths[1], dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return paths
-
-
 class Progress:
-    """``policy [#####.....] done/total`` on stderr, redrawn every 1 % (no dependency)."""
+    """On a terminal, ``policy [#####.....] done/total`` on stderr, redrawn every 1 %; elsewhere
+    (a file, a pipe, CI's log) one plain line at each quarter, no carriage return (a redrawn
+    bar there is kilobytes of ``\\r`` lines)."""
 
     def __init__(self, policy: str, total: int, stream: TextIO | None = None) -> None:
         self.policy, self.total, self.done = policy, total, 0
         self.stream = sys.stderr if stream is None else stream
+        self._tty = self.stream.isatty()
         self._step = max(1, total // 100)
 
     def __call__(self, _: object = None) -> None:
         self.done += 1
-        if self.done % self._step == 0 or self.done == self.total:
-            filled = 30 * self.done // max(1, self.total)
+        done, total = self.done, max(1, self.total)
+        if not self._tty:
+            if 4 * done // total > 4 * (done - 1) // total:  # a quarter reached
+                print(f"{self.policy}: {done}/{self.total} requests done", file=self.stream,
+                      flush=True)  # fmt: skip
+        elif done % self._step == 0 or done == self.total:
+            filled = 30 * done // total
             bar = "#" * filled + "." * (30 - filled)
-            end = "\n" if self.done == self.total else ""
-            print(f"\r{self.policy:>12} [{bar}] {self.done}/{self.total}", end=end,
+            end = "\n" if done == self.total else ""
+            print(f"\r{self.policy:>12} [{bar}] {done}/{self.total}", end=end,
                   file=self.stream, flush=True)  # fmt: skip

@@ -1,8 +1,11 @@
 """The router app: ``create_app(settings)`` wires the HTTP API onto a
 :class:`router.runtime.Runtime` that its lifespan builds (index, subscriber task, HTTP client,
 metrics registry, health checks, the Placer; the Envoy endpoint picker's gRPC server when
-``epp.port`` is set: ``app.state.epp``, its port ``app.state.epp_port``) and tears down. No
-module-level mutable state: two apps in one process share nothing.
+``epp.port`` is set: ``app.state.epp``, its port ``app.state.epp_port``) and tears down. A
+:class:`router.errors.RouterError` that stops it before serving is kept in
+``app.state.startup_error`` (a worker's as :class:`router.errors.WorkerUnusable`), for
+``kvrouter serve`` to say in one line. No module-level mutable state: two apps in one process
+share nothing.
 
 ``/route`` and the two OpenAI endpoints are plain ASGI endpoints that
 :class:`router.edge.dispatch.RouterApp` dispatches ahead of FastAPI; the rest
@@ -32,7 +35,7 @@ from router.edge.bodies import error_response
 from router.edge.dispatch import RouterApp
 from router.edge.proxy import AsgiProxy
 from router.edge.route import RouteEndpoint
-from router.errors import ConfigError, RouterError
+from router.errors import ConfigError, RouterError, WorkerUnusable
 from router.runtime import Runtime
 from router.runtime.replicas import SNAPSHOT_PATH, warm_index, warm_urls
 from router.settings import Settings
@@ -100,7 +103,7 @@ def create_app(settings: Settings, *, process: int = 0) -> RouterApp:
             from router.edge.epp.server import EppServer
         except ImportError as e:
             raise ConfigError(
-                f"epp.port needs the epp extra (pip install 'kvrouter[epp]'): {e}"
+                f"epp.port needs the epp extra (pip install -e '.[epp]' in the kvrouter checkout): {e}"
             ) from e
         epp_server = EppServer
 
@@ -108,7 +111,12 @@ def create_app(settings: Settings, *, process: int = 0) -> RouterApp:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         t0 = time.monotonic()
         warm = await warm_index(settings, await warm_urls(settings))  # a peer's index, or None
-        state = Runtime(settings, warm=warm, process=process)
+        try:  # (the tokenizer is loaded here: a bad hf: directory is a ConfigError)
+            state = Runtime(settings, warm=warm, process=process)
+        except RouterError as e:  # kept for kvrouter serve, which says it in one line
+            app.state.startup_error = e
+            raise
+        serving = False
         if tracing is not None:
             state.trace_headers = inject_trace_headers()
         tasks: list[asyncio.Task[None]] = []
@@ -116,7 +124,10 @@ def create_app(settings: Settings, *, process: int = 0) -> RouterApp:
         try:
             await state.subscriber.start()
             for w in settings.workers:
-                await state.add_worker(w)
+                try:
+                    await state.add_worker(w)
+                except RouterError as e:  # (POST /workers answers it 400; at start, not there)
+                    raise WorkerUnusable(e.message) from e
             configured = {w.id for w in settings.workers}
             for key in state.index.workers():  # restored ranks of workers no longer configured
                 if key[0] not in configured and discovery is None:  # (the subscriber task drops
@@ -136,7 +147,12 @@ def create_app(settings: Settings, *, process: int = 0) -> RouterApp:
                 app.state.epp = epp = epp_server(state)
                 app.state.epp_port = await epp.start()
             app.state.kv = state
+            serving = True
             yield
+        except RouterError as e:
+            if not serving:  # kept for kvrouter serve, which says it in one line
+                app.state.startup_error = e
+            raise
         finally:
             if epp is not None:  # first: its streams end their flights on a whole runtime
                 await epp.stop()

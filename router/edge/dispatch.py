@@ -58,7 +58,23 @@ class RouterApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and not scope["path"].startswith("/"):
             scope = origin_form(scope)  # before the access log, tracing and the dispatch
+        elif scope["type"] == "lifespan":
+            send = self._lifespan_send(send)
         await self._app(scope, receive, send)
+
+    def _lifespan_send(self, send: Send) -> Send:
+        """A start-up failure the lifespan knows (``state.startup_error``, a
+        :class:`router.errors.RouterError` that ``kvrouter serve`` prints as one line) reaches
+        the server without Starlette's traceback of it, which uvicorn would log. Any other
+        failure keeps its traceback: it is a bug."""
+
+        async def sending(message: Message) -> None:
+            failed = message["type"] == "lifespan.startup.failed"
+            if failed and getattr(self.state, "startup_error", None) is not None:
+                message = {"type": message["type"], "message": ""}
+            await send(message)
+
+        return sending
 
     async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and _length_and_chunked(scope["headers"]):

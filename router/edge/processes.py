@@ -48,14 +48,13 @@ from collections.abc import Sequence
 
 import msgspec
 
-from router.edge.server import MAX_BACKLOG
+from router.edge.server import bind_listener
 from router.errors import ConfigError
 from router.settings import Settings
 
 __all__ = [
     "MAX_EARLY_FAILURES",
     "Supervisor",
-    "bind_listener",
     "local_url",
     "process_settings",
     "run_processes",
@@ -67,14 +66,6 @@ log = logging.getLogger("kvrouter.processes")
 MAX_EARLY_FAILURES = 3
 _BACKOFF_S, _BACKOFF_MAX_S, _SETTLED_S = 1.0, 30.0, 60.0
 _PR_SET_PDEATHSIG = 1
-
-
-def bind_listener(host: str, port: int) -> socket.socket:
-    """The listening socket every process inherits (each sets its own backlog again)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.create_server((host, port), family=family, backlog=MAX_BACKLOG)
-    sock.set_inheritable(True)
-    return sock
 
 
 def local_url(sock: socket.socket) -> str:
@@ -233,11 +224,7 @@ class Supervisor:
 
 def run_processes(argv: Sequence[str], settings: Settings) -> int:
     """``kvrouter serve`` with ``server.processes`` > 1: the exit status."""
-    try:
-        sock = bind_listener(settings.host, settings.port)
-    except OSError as e:
-        print(f"kvrouter: cannot listen on {settings.host}:{settings.port}: {e}", file=sys.stderr)
-        return 1
+    sock = bind_listener(settings.host, settings.port)  # (ListenError: the caller says it)
     try:
         return asyncio.run(Supervisor(argv, settings, sock).run())
     finally:

@@ -40,6 +40,7 @@ import asyncio
 import dataclasses
 import logging
 import resource
+import socket
 import time
 from collections.abc import Callable
 from typing import Any, cast
@@ -48,12 +49,13 @@ import uvicorn
 from uvicorn.config import HTTP_PROTOCOLS
 from uvicorn.importer import import_from_string
 
-from router.errors import ConfigError, error_json
+from router.errors import ConfigError, ListenError, error_json
 
 __all__ = [
     "ConnectionGate",
     "ConnectionLimits",
     "RouterServer",
+    "bind_listener",
     "connection_limits",
     "raise_nofile_limit",
     "server_config",
@@ -113,6 +115,20 @@ def connection_limits(
             f"{workers} worker(s) and {ranks} ZMQ rank(s): raise it (ulimit -n)"
         )
     return ConnectionLimits(nofile, cap, backlog, nofile - cap)
+
+
+def bind_listener(host: str, port: int, flag: str = "--port") -> socket.socket:
+    """The router's listening socket, bound before anything else starts (so a port in use
+    fails at once, in one line, not after the workers were subscribed to), inheritable by the
+    processes of ``--processes N`` (each sets its own backlog again). :class:`ListenError`
+    says what to do; ``flag`` is the option that named the port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        sock = socket.create_server((host, port), family=family, backlog=MAX_BACKLOG)
+    except OSError as e:
+        raise ListenError.binding(host, port, e, flag) from e
+    sock.set_inheritable(True)
+    return sock
 
 
 def raise_nofile_limit() -> tuple[int, int]:

@@ -48,7 +48,7 @@ class Tracing:
                 ) from e
             raise ConfigError(
                 "invalid config: tracing.otlp_endpoint needs the otel extra: "
-                "pip install 'kvrouter[otel]'"
+                "pip install -e '.[otel]' in the kvrouter checkout"
             ) from e
         assert settings.otlp_endpoint is not None
         endpoint = settings.otlp_endpoint.rstrip("/") + "/v1/traces"

@@ -132,7 +132,8 @@ class KubernetesDiscovery:
             import lightkube
         except ImportError as e:
             raise ConfigError(
-                "kubernetes.discovery needs the Kubernetes client: pip install 'kvrouter[k8s]'"
+                "kubernetes.discovery needs the Kubernetes client: pip install -e '.[k8s]' in the "
+                "kvrouter checkout"
             ) from e
         self._lk = lightkube
         self._httpx = httpx2

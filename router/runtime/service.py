@@ -193,7 +193,10 @@ class Runtime:
             sources = await fetch_sources(self.upstream, cfg.base_url, timeout)
             events, replay, dp_ranks = sources_to_endpoints(sources, host)
         except PodNotUsable as e:
-            raise BadRequest(f"worker {cfg.id!r}: {e}; give events= for this worker") from e
+            raise BadRequest(
+                f"worker {cfg.id!r}: {e}; give events=tcp://HOST:PORT for this worker (its KV "
+                "event publisher: vLLM's --kv-events-config endpoint), or start it first"
+            ) from e
         log.info("worker %s publishes KV events on %s (replay %s)", cfg.id, events, replay)
         return msgspec.structs.replace(
             cfg, events_endpoint=events, replay_endpoint=replay, dp_ranks=dp_ranks

@@ -112,7 +112,9 @@ class HFTokenizer:
             self._tok = _HF.from_file(str(d / "tokenizer.json"))
         except Exception as e:  # tokenizers raises plain Exception subclasses
             raise ConfigError(
-                f"invalid config: tokenizer: cannot load {d / 'tokenizer.json'}: {e}"
+                f"invalid config: tokenizer: cannot load {d / 'tokenizer.json'}: {e}; "
+                "hf:<dir> (--tokenizer) takes the directory of the workers' model that holds "
+                "its tokenizer.json (a Hugging Face snapshot), or use 'worker' (their /tokenize)"
             ) from e
         cfg: dict[str, Any] = {}
         cfg_path = d / "tokenizer_config.json"

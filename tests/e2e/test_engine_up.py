@@ -4,9 +4,11 @@ lands on turn 1's worker and is served from its cache."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -137,7 +139,7 @@ def test_a_dying_engine_stops_the_whole_fleet(tmp_path: Path) -> None:
             lines.append(line)
             m = re.match(r"\[engine-0\] .*Started server process \[(\d+)\]", line)
             engine_pid = int(m.group(1)) if m else engine_pid
-            router_up = router_up or ("[router]" in line and "Uvicorn running" in line)
+            router_up = router_up or "[router] kvrouter router listening on" in line
             if engine_pid and router_up:
                 break
         assert engine_pid, "".join(lines)
@@ -153,3 +155,49 @@ def test_a_dying_engine_stops_the_whole_fleet(tmp_path: Path) -> None:
             proc.wait()
         if proc.stderr is not None:
             proc.stderr.close()
+
+
+def test_a_port_in_use_fails_before_any_engine_in_one_line() -> None:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    with socket.create_server(("127.0.0.1", 0)) as held:  # (8000, the default, is vLLM's too)
+        port = held.getsockname()[1]
+        done = subprocess.run(
+            [*_command(), "up", "--port", str(port)],
+            capture_output=True, text=True, env=env, cwd=ROOT, timeout=60,
+        )  # fmt: skip
+    assert done.returncode == 5  # a ListenError's, as kvrouter serve's
+    assert done.stderr.splitlines() == [  # no engine was started: no line of theirs
+        f"kvrouter up: cannot listen on 127.0.0.1:{port}: the port is in use by another "
+        "program: give another --port, or --port 0 for any free port"
+    ]
+
+
+def test_the_admin_key_file_reaches_the_router(tmp_path: Path) -> None:
+    key = tmp_path / "admin.key"
+    key.write_text("s3cret\n")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env.pop("KVROUTER_ADMIN_KEY", None)
+    proc = subprocess.Popen(
+        [*_command(), "up", "--workers", "1", "--port", "0", "--admin-key-file", str(key)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=ROOT,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        url = next(
+            m.group(1) for line in proc.stdout if (m := re.search(r"router (http://\S+)", line))
+        )
+        assert httpx.get(url + "/workers", timeout=10).status_code == 401
+        got = httpx.get(url + "/workers", headers={"Authorization": "Bearer s3cret"}, timeout=10)
+        assert got.status_code == 200 and "engine-0" in got.text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # nothing should be left; make sure
+            if proc.stdout is not None:
+                proc.stdout.close()

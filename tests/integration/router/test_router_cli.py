@@ -70,7 +70,7 @@ async def test_invalid_config_fails_at_start_naming_the_key(tmp_path):
     # naming the worker and what to give instead
     proc = await _spawn("--port", "0", "--worker", "id=a,url=http://127.0.0.1:1")
     _, err = await asyncio.wait_for(proc.communicate(), 60)
-    assert proc.returncode != 0 and b"'a'" in err and b"give events=" in err
+    assert proc.returncode == 4 and b"'a'" in err and b"give events=" in err
 
 
 async def test_sigterm_drains_in_flight_requests_with_ready_503(tmp_path, workers):

@@ -216,3 +216,32 @@ async def test_cache_salt_in_the_body_reaches_the_hash(workers, router, http):
     assert cand(await route(http, r, token_ids=tokens), "a")["matched_blocks"] == 0
     other = await route(http, r, token_ids=tokens, cache_salt="t2")
     assert cand(other, "a")["matched_blocks"] == 0
+
+
+async def test_an_openai_body_posted_to_route_is_the_proxys_dry_run(workers, router, http):
+    """docs/deploy.md: /route reads the OpenAI body as it is, changes nothing, and answers the
+    worker the proxy then picks; a route_id comes only with "account": true."""
+    a, b = await workers("a"), await workers("b")
+    r = await router([a, b])
+    body = {"model": "m", "prompt": "why this worker? " * 16, "max_tokens": 4, "temperature": 0}
+    first = await http.post(r.url + "/v1/completions", json=body)
+    assert first.status_code == 200, first.text
+    cached_on = first.headers["x-kvrouter-worker"]
+
+    async def dry() -> dict:
+        return await route(http, r, **body)
+
+    deadline = asyncio.get_running_loop().time() + 20
+    while (ans := await dry())["matched_blocks"] < 16:  # its events reach the index
+        assert asyncio.get_running_loop().time() < deadline, ans
+        await asyncio.sleep(0.01)
+    assert ans["worker_id"] == cached_on and "route_id" not in ans
+    await wait_for(lambda: r.state.placer.inflight == 0, 10, "the proxied request ended")
+    for _ in range(2):  # nothing counted, however often it is asked
+        assert all(c["active_blocks"] == 0 for c in (await dry())["candidates"])
+    again = await http.post(r.url + "/v1/completions", json=body)
+    assert again.headers["x-kvrouter-worker"] == ans["worker_id"]
+    await wait_for(lambda: r.state.placer.inflight == 0, 10, "the proxied request ended")
+    accounted = await route(http, r, **body, account=True)
+    assert accounted["worker_id"] == ans["worker_id"] and accounted["route_id"]
+    assert cand(await dry(), ans["worker_id"])["active_blocks"] > 0  # this one is counted

@@ -1,17 +1,15 @@
 """Virtual-time replay: the ideal against a hand count, a placement whose answer is known by hand,
 a fleet that can hold everything reaching the ideal exactly, determinism, and the CLI's table,
-JSON, plots and errors."""
+JSON, plots and errors (the report's own: test_replay_report.py; the plots': test_replay_plots.py)."""
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 
 import pytest
 
 from kvrouter.replay.cli import main
-from kvrouter.replay.report import Progress
 from kvrouter.replay.trace import (
     SharedPrefixSpec,
     TraceError,
@@ -175,14 +173,6 @@ def test_bad_inputs_are_named(tmp_path: Path, capsys) -> None:
     assert "--arrival-spread-ms must not be negative" in capsys.readouterr().err
     with pytest.raises(TraceError, match="no records"):
         load_mooncake(good, start=10)
-
-
-def test_progress_bar_ends_with_the_total() -> None:
-    out = io.StringIO()
-    bar = Progress("kvrouter", 250, out)
-    for _ in range(250):
-        bar()
-    assert out.getvalue().endswith("[" + "#" * 30 + "] 250/250\n")
 
 
 def test_pooled_lru_forgets_what_it_had_no_room_for() -> None:

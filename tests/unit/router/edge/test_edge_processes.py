@@ -8,7 +8,8 @@ import socket
 
 import pytest
 
-from router.edge.processes import bind_listener, local_url, process_settings
+from router.edge.processes import local_url, process_settings
+from router.edge.server import bind_listener
 from router.errors import ConfigError
 from router.settings import load_settings
 

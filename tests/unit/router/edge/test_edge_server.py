@@ -5,13 +5,20 @@ from __future__ import annotations
 
 import itertools
 import resource
+import socket
 
 import pytest
 
 from router.edge import server
 from router.edge.dispatch import origin_form
-from router.edge.server import FILES, HEALTH_PER_WORKER, ZMQ_PER_RANK, connection_limits
-from router.errors import ConfigError
+from router.edge.server import (
+    FILES,
+    HEALTH_PER_WORKER,
+    ZMQ_PER_RANK,
+    bind_listener,
+    connection_limits,
+)
+from router.errors import ConfigError, ListenError
 
 
 def limits(nofile: int, **kw: object) -> server.ConnectionLimits:
@@ -105,3 +112,16 @@ def test_absolute_form_is_cut_to_its_path(raw: bytes, path: str) -> None:
 def test_other_targets_are_left_alone(raw: bytes) -> None:
     scope = {"type": "http", "path": raw.decode(), "raw_path": raw}
     assert origin_form(scope) is scope
+
+
+def test_an_address_that_cannot_be_listened_on_says_what_to_do() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as held:
+        port = held.getsockname()[1]
+        with pytest.raises(ListenError, match=r"in use .* give another --port, or --port 0"):
+            bind_listener("127.0.0.1", port)
+        with pytest.raises(ListenError, match=r"give another server.metrics_port"):
+            bind_listener("127.0.0.1", port, "server.metrics_port")
+    # TEST-NET-1 (RFC 5737): no machine's own address
+    with pytest.raises(ListenError, match="not an address of this machine") as got:
+        bind_listener("192.0.2.1", 0)
+    assert got.value.exit_code == 5 and isinstance(got.value.__cause__, OSError)
