@@ -159,7 +159,9 @@ def test_the_pd_overlay_is_a_fleet_of_prefill_and_decode_workers(tmp_path):
     router = find(objs, "Deployment", "kvrouter")
     (c,) = pod_spec(router)["containers"]
     raw = yaml.safe_load(find(objs, "ConfigMap", "kvrouter-config")["data"]["router.yaml"])
-    raw.pop("admin_key_file")  # (a mounted Secret: tests/integration/deploy checks it)
+    raw.pop("admin_key_file")  # (mounted Secrets: tests/integration/deploy checks them)
+    raw["replicas"].pop("peer_key_file")
+    raw["replicas"]["trusted_network"] = True
     env = {e["name"]: e["value"] for e in c["env"]}
     settings = load_settings(environ=env, overrides=raw)
     assert (settings.pd.mode, settings.pd.protocol, settings.tokenizer) == (
