@@ -95,9 +95,10 @@ async def test_reconnect_to_an_idle_new_process_drops_the_old_blocks(
 async def test_snapshot_resume_checks_the_publisher(
     ctx: zmq.asyncio.Context, pubs: list[EventPublisher], tmp_path: Path
 ) -> None:
-    """Worker a kept running (continue after the snapshot seq); worker b restarted and went past
-    the snapshot seq (its whole new stream, nothing of the old one)."""
-    a, b = EventPublisher(ctx), EventPublisher(ctx)
+    """Worker a kept running (continue after the snapshot seq: its buffer no longer reaches seq
+    0, so the resume reconciles at the snapshot's seq); worker b restarted and went past the
+    snapshot seq (its whole new stream, nothing of the old one: rebuilt from seq 0)."""
+    a, b = EventPublisher(ctx, buffer=30), EventPublisher(ctx)
     pubs += [a, b]
     ka, kb = ("a", 0), ("b", 0)
     gen_a, gen_b = StreamGen(84), StreamGen(85, remove_ratio=0.0)
@@ -134,9 +135,12 @@ async def test_snapshot_resume_checks_the_publisher(
         sa, sb = sub.stats()[ka], sub.stats()[kb]
         assert sa.restarts == 0 and sa.replay_failures == 0
         assert index.applied[ka] == list(range(snap_a, a.seq))
-        assert sb.restarts == 1 and sb.replay_failures == 0 and sb.trusted
-        assert b.replay_requests[-2:] == [19, 0]  # check seq 19, then the new stream
-        assert a.replay_requests[-1] == snap_a - 1
+        # b's publisher holds its whole (new) stream: the rank is rebuilt from it alone
+        assert sb.restarts == 0 and sb.replay_failures == 0 and sb.trusted
+        assert sub.snapshot_drops()["rebuilt"] == 1
+        assert b.replay_requests[-1] == 0
+        # a's replay asked from 0 (to reconcile); its buffer began at 20: checked at seq 39
+        assert a.replay_requests[-1] == 0
         assert index.applied[kb] == list(range(b.seq))
         ref = reference({ka: a.batches, kb: b.batches})
         assert_same_index(index, ref, [ka, kb], gen_a.queries() + gen_b2.queries())
