@@ -8,7 +8,9 @@ minute on the 2-core dev machine at the default size):
     python benchmarks/bench_snapshot_decode.py                       # 2 M entries, 8 ranks
     python benchmarks/bench_snapshot_decode.py --entries 4000000 --ranks 1
 
-Modes: ``decode`` is ``PrefixIndex.from_snapshot_bytes`` on bytes already read;
+Modes: ``body-join`` and ``body-buffer`` read a ``--body-mib`` chunked body only, the first as
+``UpstreamResponse.read`` does (chunks, then one join: the body twice at the end), the second as
+the warm start does now (one buffer grown in place); ``decode`` is ``PrefixIndex.from_snapshot_bytes`` on bytes already read;
 ``warm`` is a whole warm start (:func:`router.runtime.replicas.warm_index`) from a real aiohttp
 server on 127.0.0.1 that sends the snapshot chunked (no Content-Length), with
 ``max_index_entries`` = ``--entries`` so the budget lets it all in. ``amplification`` is peak
@@ -37,13 +39,18 @@ import msgspec  # noqa: E402
 from indexer.hashing import HASH_VERSION  # noqa: E402
 
 
-def make(entries: int, ranks: int, seed: int = 0) -> bytes:
-    """A valid snapshot: random 64-bit engine and router hashes, every block on the GPU."""
+def make(entries: int, ranks: int, seed: int = 0, small: bool = False) -> bytes:
+    """A valid snapshot: random 64-bit engine and router hashes (``small``: consecutive ones,
+    the fewest bytes an entry), every block on the GPU."""
     rng = random.Random(seed)
     per = entries // ranks
     workers = []
     for r in range(ranks):
-        eh = [rng.getrandbits(63) for _ in range(per)]
+        eh = (
+            list(range(r * per, (r + 1) * per))
+            if small
+            else [rng.getrandbits(63) for _ in range(per)]
+        )
         workers.append(
             {
                 "worker_id": f"w{r // 8}",
@@ -52,7 +59,7 @@ def make(entries: int, ranks: int, seed: int = 0) -> bytes:
                 "seq": 100,
                 "ts": 1.5,
                 "engine_hashes": eh,
-                "router_hashes": [rng.getrandbits(63) for _ in range(per)],
+                "router_hashes": eh if small else [rng.getrandbits(63) for _ in range(per)],
                 "tiers": [1] * per,
             }
         )
@@ -87,6 +94,15 @@ def child(mode: str, path: str, entries: int) -> dict:
         index, _ = PrefixIndex.from_snapshot_bytes(data)
         took = time.perf_counter() - t0
         del data
+    elif mode.startswith("body"):
+        base, took, got = asyncio.run(_body(path, mode))
+        peak = _status("VmHWM")
+        return {
+            "mode": mode,
+            "body_mib": round(got / 2**20, 1),
+            "seconds": round(took, 2),
+            "peak_mib": round((peak - base) / 2**20, 1),
+        }
     else:
         index, base, took = asyncio.run(_warm(path, entries))
     peak = _status("VmHWM")
@@ -104,11 +120,11 @@ def child(mode: str, path: str, entries: int) -> dict:
     }
 
 
-async def _warm(path: str, entries: int) -> tuple:
+async def _serve(path: str) -> tuple:
+    """A real aiohttp server on 127.0.0.1 sending ``path`` chunked; (runner, its URL)."""
     from aiohttp import web
 
-    from router.runtime.replicas import SNAPSHOT_PATH, SNAPSHOT_TYPE, warm_index
-    from router.settings.config import _convert
+    from router.runtime.replicas import SNAPSHOT_PATH, SNAPSHOT_TYPE
 
     async def serve(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"content-type": SNAPSHOT_TYPE})
@@ -126,7 +142,34 @@ async def _warm(path: str, entries: int) -> tuple:
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
+async def _body(path: str, mode: str) -> tuple[int, float, int]:
+    from router.fleet.upstream import UpstreamPool
+    from router.runtime.replicas import SNAPSHOT_PATH
+    from router.runtime.replicas.warm import _read_body
+
+    runner, url = await _serve(path)
+    pool = UpstreamPool(connect_s=5, read_s=600, write_s=5, max_body_bytes=1 << 40)
+    gc.collect()
+    _reset_peak()
+    base = _status("VmRSS")
+    t0 = time.perf_counter()
+    resp = await pool.request(url, "GET", SNAPSHOT_PATH, [], b"")
+    data = await (resp.read(1 << 40) if mode == "body-join" else _read_body(resp, 1 << 40))
+    took = time.perf_counter() - t0
+    await resp.aclose()
+    await pool.aclose()
+    await runner.cleanup()
+    return base, took, len(data)
+
+
+async def _warm(path: str, entries: int) -> tuple:
+    from router.runtime.replicas import warm_index
+    from router.settings.config import _convert
+
+    runner, url = await _serve(path)
     size = os.path.getsize(path)
     settings = _convert(
         {
@@ -153,7 +196,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--entries", type=int, default=2_000_000)
     ap.add_argument("--ranks", type=int, default=8)
-    ap.add_argument("--modes", default="decode,warm")
+    ap.add_argument("--modes", default="decode,warm,body-join,body-buffer")
+    ap.add_argument("--body-mib", type=int, default=256)
+    ap.add_argument("--small", action="store_true", help="small hashes: most entries a byte")
     ap.add_argument("--child", nargs=3, metavar=("MODE", "PATH", "ENTRIES"))
     a = ap.parse_args()
     if a.child:
@@ -162,9 +207,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "index.snap")
         with open(path, "wb") as f:
-            f.write(make(a.entries, a.ranks))
+            f.write(make(a.entries, a.ranks, small=a.small))
+        body = os.path.join(tmp, "body")
+        with open(body, "wb") as f:
+            for _ in range(a.body_mib):
+                f.write(os.urandom(1 << 20))
         for mode in a.modes.split(","):
-            cmd = [sys.executable, __file__, "--child", mode, path, str(a.entries)]
+            src = body if mode.startswith("body") else path
+            cmd = [sys.executable, __file__, "--child", mode, src, str(a.entries)]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
             print(out.strip().splitlines()[-1])
 
