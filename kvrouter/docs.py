@@ -144,6 +144,7 @@ def metric_rows() -> list[tuple[str, str, str, str]]:
     from router.observe.family import Family
     from router.observe.metrics import RouterMetrics, StateCollector, register_process_metrics
     from router.observe.replicas import ReplicaCollector, ReplicaStats
+    from router.observe.snapshot import SnapshotCollector
 
     registry = CollectorRegistry()
     metrics = RouterMetrics(registry)
@@ -151,6 +152,7 @@ def metric_rows() -> list[tuple[str, str, str, str]]:
     register_process_metrics(registry)
     replica = ReplicaStats("0123456789abcdef", "0", dropped={"malformed": 0}, ended={"ended": 0})
     registry.register(ReplicaCollector(lambda: replica))
+    registry.register(SnapshotCollector(dict))
     declared = {f.name: list(f.labelnames) for f in vars(metrics).values() if isinstance(f, Family)}
     rows = []
     for fam in registry.collect():
