@@ -2,11 +2,13 @@
 peer's index snapshot (``GET /admin/snapshot`` with the peer key's token, or the admin key on a
 trusted network: :func:`snapshot_credential`; the format of
 :mod:`indexer.index.snapshot`, with each worker rank's last applied sequence number) and start
-from it; the subscriber then resumes every rank's stream from those numbers (checking first that
-the publisher is still the process they came from), so the replica routes with the fleet's cache
-from its first request instead of after the workers' replays. Peers are tried in order, all
-within ``replicas.warm_timeout_s``; when none answers with a usable snapshot the start is cold,
-as without peers. :meth:`router.runtime.Runtime.log_time_to_ready` says how long either took,
+from it; the subscriber then resumes every rank's stream from those numbers (reconciling:
+``indexer.subscriber.restored``), so the replica routes with the fleet's cache from its first
+request instead of after the workers' replays. The body is read into one buffer of at most
+``replicas.max_snapshot_bytes`` and decoded in a thread under a ``DecodeBudget`` (the index's
+own cap in entries, the warm start's deadline, cancelled when it gives up). Peers are tried in
+order, all within ``replicas.warm_timeout_s``; when none answers with a usable snapshot the
+start is cold, as without peers. :meth:`router.runtime.Runtime.log_time_to_ready` says how long either took,
 and :meth:`router.runtime.Runtime.drop_unclaimed` drops the restored ranks no worker claims.
 """
 
