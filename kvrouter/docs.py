@@ -160,6 +160,7 @@ def metric_rows() -> list[tuple[str, str, str, str]]:
     from router.observe.family import Family
     from router.observe.metrics import RouterMetrics, StateCollector, register_process_metrics
     from router.observe.replicas import ReplicaCollector, ReplicaStats
+    from router.observe.snapshot import SnapshotCollector
 
     registry = CollectorRegistry()
     metrics = RouterMetrics(registry)
@@ -167,6 +168,7 @@ def metric_rows() -> list[tuple[str, str, str, str]]:
     register_process_metrics(registry)
     replica = ReplicaStats("0123456789abcdef", "0", dropped={"malformed": 0}, ended={"ended": 0})
     registry.register(ReplicaCollector(lambda: replica))
+    registry.register(SnapshotCollector(dict))
     # (families kept in a part of RouterMetrics, as metrics.pd and metrics.epp, too)
     parts = [metrics, *(v for v in vars(metrics).values() if type(v).__name__.endswith("Metrics"))]
     declared = {

@@ -8,7 +8,8 @@
 - ``evict``: ``Evictor``, the caps per rank (its KV capacity, else a default) and in all, least
   recently used first;
 - ``rechunk``: a worker's engine blocks whose page size is not the router block size;
-- ``snapshot``: the state to and from a file (or bytes: a peer router's warm start);
+- ``snapshot``: the state to a file (or bytes: a peer router's warm start), and its format;
+- ``snapshot_load``: the state back from those, validated and under a ``DecodeBudget``;
 - ``native``: the C/Python façade of the hot loops.
 
 ``PrefixIndex`` (here) is the façade the router, the subscriber and the tools use: it holds the
@@ -27,12 +28,11 @@ from indexer.index.evict import Evictor
 from indexer.index.match import Matcher
 from indexer.index.snapshot import (
     SnapshotBuilder,
-    decode_snapshot,
     encode_snapshot,
-    read_snapshot,
     save_snapshot,
     write_snapshot,
 )
+from indexer.index.snapshot_load import DecodeBudget, decode_snapshot, read_snapshot
 from indexer.index.state import IndexState
 from indexer.index.types import (
     MAX_UNKNOWN_MEDIUMS,
@@ -49,6 +49,7 @@ from indexer.index.types import (
 __all__ = [
     "MAX_UNKNOWN_MEDIUMS",
     "SGLANG_ROOT_PARENT",
+    "DecodeBudget",
     "IndexError_",
     "MatchResult",
     "PrefixIndex",
@@ -232,9 +233,12 @@ class PrefixIndex:
         save_snapshot(path, data)
 
     @classmethod
-    def from_snapshot_bytes(cls, data: bytes) -> tuple[PrefixIndex, dict[WorkerKey, int]]:
-        """``restore`` from ``snapshot_bytes``'s bytes; :class:`SnapshotError` otherwise."""
-        return cls._restored(*decode_snapshot(data))
+    def from_snapshot_bytes(
+        cls, data: bytes | bytearray | memoryview, budget: DecodeBudget | None = None
+    ) -> tuple[PrefixIndex, dict[WorkerKey, int]]:
+        """``restore`` from ``snapshot_bytes``'s bytes, within ``budget`` (entries, deadline,
+        cancel: ``indexer.index.snapshot_load``); :class:`SnapshotError` otherwise."""
+        return cls._restored(*decode_snapshot(data, budget))
 
     @classmethod
     def _restored(

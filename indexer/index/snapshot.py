@@ -3,7 +3,9 @@
 The file is msgpack: a header (format, hash function version, block size, tier names) and, per
 worker rank, its engine table. Global tables are derived state and are rebuilt on load, so a
 restored index answers every query like the original. A file written with another router hash
-function or block size is refused: its router hashes would not match new requests.
+function or block size is refused: its router hashes would not match new requests. This module
+owns the format and the writing; :mod:`indexer.index.snapshot_load` reads it back, validated and
+under a budget.
 """
 
 from __future__ import annotations
@@ -15,17 +17,14 @@ from typing import Annotated
 
 import msgspec
 
-from indexer.events import ResumePoint
 from indexer.hashing import HASH_VERSION
-from indexer.index.rechunk import RechunkTable
 from indexer.index.state import IndexState
-from indexer.index.types import MAX_TIERS, SnapshotError, WorkerKey
+from indexer.index.types import WorkerKey
 
 __all__ = [
+    "FORMAT",
     "SnapshotBuilder",
-    "decode_snapshot",
     "encode_snapshot",
-    "read_snapshot",
     "save_snapshot",
     "write_snapshot",
 ]
@@ -65,15 +64,6 @@ class _WorkerSnap(msgspec.Struct):
     partial_groups: list[int] = []
 
 
-class _Snapshot(msgspec.Struct):
-    format: str
-    hash_version: int
-    block_size: int
-    tiers: list[str]
-    workers: list[_WorkerSnap]
-
-
-_decoder = msgspec.msgpack.Decoder(_Snapshot)
 _encoder = msgspec.msgpack.Encoder()
 
 
@@ -154,7 +144,7 @@ class SnapshotBuilder:
         return partial(_encode_parts, head, self._parts)
 
 
-class _SnapshotOut(msgspec.Struct):  # _Snapshot with each rank encoded on its own
+class _SnapshotOut(msgspec.Struct):  # the file: a header, then each rank encoded on its own
     format: str
     hash_version: int
     block_size: int
@@ -164,82 +154,6 @@ class _SnapshotOut(msgspec.Struct):  # _Snapshot with each rank encoded on its o
 
 def _encode_parts(head: tuple[str, int, int, list[str]], parts: list[_WorkerSnap]) -> bytes:
     # one encode call per rank: a thread running this gives the loop the GIL back between
-    # ranks, not only after the whole file (the same bytes as encoding _Snapshot at once)
+    # ranks, not only after the whole file (the same bytes as encoding every rank in one call)
     workers = [msgspec.Raw(_encoder.encode(p)) for p in parts]
     return _encoder.encode(_SnapshotOut(*head, workers))
-
-
-def read_snapshot(path: str | os.PathLike[str]) -> tuple[IndexState, dict[WorkerKey, int]]:
-    """A new index state from a snapshot file, and each worker rank's resume point."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as exc:
-        raise SnapshotError(f"cannot read index snapshot {os.fspath(path)!r}: {exc}") from exc
-    return decode_snapshot(data, what=f"index snapshot {os.fspath(path)!r}")
-
-
-def decode_snapshot(
-    data: bytes, *, what: str = "index snapshot"
-) -> tuple[IndexState, dict[WorkerKey, int]]:
-    """A new index state from snapshot bytes (:func:`encode_snapshot`'s), and each worker
-    rank's resume point; :class:`SnapshotError` for anything else."""
-    try:
-        snap = _decoder.decode(data)
-    except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # (msgspec's, for bad UTF-8)
-        raise SnapshotError(f"cannot read {what}: {exc}") from exc
-    if snap.format != FORMAT:
-        raise SnapshotError(f"snapshot format {snap.format!r} is not {FORMAT!r}")
-    if snap.hash_version != HASH_VERSION:
-        raise SnapshotError(
-            f"snapshot router hash version {snap.hash_version} != {HASH_VERSION}; rebuild from events"
-        )
-    index = IndexState(snap.block_size)
-    for name in snap.tiers:
-        index.tier_id(name)
-    index.unknown_tiers.clear()
-    seqs: dict[WorkerKey, int] = {}
-    for ws in snap.workers:
-        index.add_worker(ws.worker_id, ws.dp_rank, model=ws.model)
-        key = (ws.worker_id, ws.dp_rank)
-        w = index.worker(key)
-        if ws.seq is not None:
-            seqs[key] = ResumePoint(ws.seq, ws.ts)
-        for e, t, n in ws.dups:
-            w.dups.setdefault(e, {})[t] = n
-        if ws.page:
-            index.set_page(w, ws.page)
-        w.partial_groups = set(ws.partial_groups)
-        per_router: dict[int, dict] = {}
-        for e, h, m in zip(ws.engine_hashes, ws.router_hashes, ws.tiers):
-            w.table[e] = h
-            if m != 1:
-                w.emask[e] = m
-            per_router.setdefault(h, {})[e] = m
-            for t in range(MAX_TIERS):
-                if m >> t & 1:
-                    w.tier_counts[t] += 1
-        for h, group in per_router.items():
-            if len(group) > 1:
-                w.multi[h] = group
-            mask = 0
-            for m in group.values():
-                mask |= m
-            index.set_mask(w, h, 0, mask)
-        if ws.rechunk:
-            rc = RechunkTable(index, w)
-            w.rechunk = rc
-            for rb in ws.rechunk:
-                rc.load_block(rb.engine_hash, rb.parent, rb.tiers, rb.end, rb.state, tuple(rb.tail))
-            # a router block is covered by at most block_size + 1 distinct engine blocks (pages
-            # of one token or more); a peer's snapshot that lists more, or one twice, would make
-            # every tier change of that block walk its list once per entry (quadratic)
-            most = snap.block_size + 1
-            for h, cov in ws.cover:
-                if len(cov) > most or len(set(cov)) != len(cov):
-                    raise SnapshotError(
-                        f"{what}: rank {key}: router block {h} covered by {len(cov)} engine "
-                        f"blocks ({len(set(cov))} distinct; at most {most})"
-                    )
-                rc.load_cover(h, list(cov))
-    return index, seqs

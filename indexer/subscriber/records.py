@@ -174,6 +174,7 @@ class Replay:
         "hi",
         "join",
         "lo",
+        "reconcile",
         "sent",
         "start",
         "target",
@@ -187,6 +188,9 @@ class Replay:
         #: The request starts at the last applied seq: its first reply must be that batch again
         #: (same ``ts``), or the publisher is a new process (see ``indexer.subscriber.replay``).
         self.verify = verify
+        #: Asked from seq 0 to rebuild a snapshot's rank when the publisher holds seq 0
+        #: (``indexer.subscriber.restored``).
+        self.reconcile = False
         #: Live batches received while replaying, applied after the replay.
         self.buffer: list[EventBatch] = []
         self.sent = False

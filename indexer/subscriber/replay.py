@@ -9,6 +9,11 @@ one, and giving up on time. Everything runs on the subscriber task. Rules (docs/
   ``ts``). Another batch under that seq, a later seq, or no reply at all means the process that
   seq came from is gone: the rank's entries are cleared and the new process's stream is replayed
   from 0 (a restart, the rank stays trusted).
+- a rank restored from a snapshot reconciles (``resume(reconcile=True)``): its replay asks from
+  seq 0. When the publisher still holds its whole stream (the first reply is seq 0), the
+  snapshot's part of the rank is not needed and not trusted: it is cleared and rebuilt from the
+  stream (a made-up block in a peer's snapshot goes here); else the replies before the applied
+  seq are skipped and the applied seq's batch is checked as above.
 - live batches that arrive meanwhile wait in the replay's buffer; when the replay ends they go,
   with the seqs the replies covered, to ``then`` (the stream rules), which skips what was applied.
 """
@@ -52,21 +57,34 @@ class Replays:
         self._then = then
         #: Ranks whose replay request was sent and is not over: the ones with deadlines.
         self.running: set[WorkerRank] = set()
+        #: Restored ranks rebuilt from their publisher's whole stream (``resume(reconcile)``).
+        self.rebuilt = 0
 
-    def resume(self, r: WorkerRank, *, join: bool) -> None:
+    def resume(self, r: WorkerRank, *, join: bool, reconcile: bool = False) -> None:
         """Replay what was published after the last applied seq, checking first that the
-        publisher is still the process that seq came from (see the module rules)."""
+        publisher is still the process that seq came from; ``reconcile`` (a snapshot's rank):
+        from seq 0, to rebuild the rank from the whole stream when the publisher still has it
+        (see the module rules)."""
         if r.last >= 0 and r.last_ts is not None:
-            self.start(r, r.last, None, join=join, verify=True)
+            start = 0 if reconcile else r.last
+            self.start(r, start, None, join=join, verify=True, reconcile=reconcile)
         else:
             self.start(r, r.last + 1 if r.last >= 0 else 0, None, join=join)
 
     def start(
-        self, r: WorkerRank, start: int, target: int | None, *, join: bool, verify: bool = False
+        self,
+        r: WorkerRank,
+        start: int,
+        target: int | None,
+        *,
+        join: bool,
+        verify: bool = False,
+        reconcile: bool = False,
     ) -> None:
         """Replay seqs ``[start, target)`` (target None: all the publisher has); the request is
         sent now if the rank is connected, else on connect (``send``)."""
         r.replay = Replay(start, target, join, verify)
+        r.replay.reconcile = reconcile
         r.fast = False
         r.stats.replays += 1
         if r.stats.connected:
@@ -150,7 +168,7 @@ class Replays:
                 self._writer.malformed(r, exc)
                 continue
             if reply.is_end:  # not an event batch: freshness stays as it was
-                if rp.verify and rp.lo is None:
+                if rp.verify:  # (it ended before the applied seq)
                     self._new_process(r, rp, f"replay holds nothing from applied seq {r.last} on")
                     return False
                 self.finish(r, None)
@@ -168,14 +186,29 @@ class Replays:
         return len(msgs) == DRAIN_CAP
 
     def _on_reply(self, r: WorkerRank, rp: Replay, s: int, payload: bytes, topic: bytes) -> None:
-        if rp.verify and rp.lo is None:
-            rp.lo = rp.hi = s
+        if rp.reconcile and rp.verify and rp.lo is None and s == 0:
+            # reconciling, and the publisher holds its whole stream: rebuild from it alone
+            self._writer.clear(r)
+            self.rebuilt += 1
+            r.last, r.last_ts, rp.verify = -1, None, False
+            log.info(
+                "worker %s rank %d rebuilt from its publisher's whole stream, not the snapshot",
+                r.worker_id,
+                r.rank,
+            )
+        if rp.verify:
+            if rp.lo is None:
+                rp.lo = s
+            rp.hi = s
+            if s < r.last and rp.reconcile:
+                return  # reconciling: before the applied seq, which is checked below
             if s == r.last:
                 try:
                     ts: float | None = decode_payload(payload, seq=s, topic=topic).ts
                 except Exception:  # WireError, or a decoder bug: not the batch that was applied
                     ts = None
                 if ts == r.last_ts:
+                    rp.verify = False
                     return  # the same process: the replies after it continue the stream
             self._new_process(
                 r, rp, f"replay answered seq {s} for applied seq {r.last} differently"

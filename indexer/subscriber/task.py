@@ -9,7 +9,8 @@ workers and the task, and one of each part it composes:
 - ``sockets.Sockets``: the sockets, their registration with the loop, the task's wait;
 - ``stream.StreamRules``: what to do with each live batch and connection event;
 - ``replay.Replays``: replays, and telling a new publisher process;
-- ``writer.IndexWriter``: the writes to the index both of those make.
+- ``writer.IndexWriter``: the writes to the index both of those make;
+- ``restored.RestoredRanks``: a snapshot's ranks, and how far they are trusted.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from indexer.subscriber.records import (
     rank_endpoint,
 )
 from indexer.subscriber.replay import Replays
+from indexer.subscriber.restored import RestoredRanks
 from indexer.subscriber.sockets import Sockets
 from indexer.subscriber.stream import StreamRules
 from indexer.subscriber.writer import IndexWriter
@@ -83,7 +85,7 @@ class Subscriber:
             index, writer, self._replays, self._sockets, clock=clock, max_buffered=max_buffered
         )
         self._workers: dict[str, tuple[WorkerEndpoint, list[WorkerRank]]] = {}
-        self._restored: dict[WorkerKey, int] = {}
+        self._restored = RestoredRanks(index, writer, self._replays)
         self._commands: deque[tuple[str, Any, asyncio.Future[None] | None]] = deque()
         self._task: asyncio.Task[None] | None = None
         self._closing = False
@@ -141,6 +143,17 @@ class Subscriber:
     def stats(self) -> dict[WorkerKey, WorkerStats]:
         """Per (worker_id, dp_rank) stats, refreshed from the index (the objects are live)."""
         return {r.key: r.refreshed_stats(self._index) for r in self._ranks()}
+
+    def subscribed(self, key: WorkerKey) -> bool:
+        """Whether rank ``key`` is one of an added worker's (a snapshot's rank no worker has
+        claimed is not: it is never exported again)."""
+        entry = self._workers.get(key[0])
+        return entry is not None and key[1] < entry[0].dp_ranks
+
+    def snapshot_drops(self) -> dict[str, int]:
+        """A snapshot's ranks dropped, cleared or rebuilt, by reason
+        (:mod:`indexer.subscriber.restored`)."""
+        return self._restored.counts()
 
     def resume_points(self) -> dict[WorkerKey, ResumePoint]:
         """Per worker rank: the last applied seq and its batch's ts, what a snapshot records."""
@@ -234,19 +247,15 @@ class Subscriber:
                 return
             raise SubscriberError(f"worker {ep.id!r} is already registered differently")
         ranks: list[WorkerRank] = []
+        held = self._restored.held(ep.id)  # (a snapshot's: only this task adds ranks)
+        self._restored.drop_unconfigured(ep, held)
         try:
             for rank in range(ep.dp_ranks):
                 self._index.add_worker(ep.id, rank, model=ep.model)
                 r = WorkerRank(ep, rank)
                 ranks.append(r)
                 self._sockets.open_rank(r, self._stream.drain_sub, self._stream.drain_mon)
-                seq = self._restored.pop(r.key, None)
-                if seq is not None:
-                    r.last, r.last_ts = int(seq), getattr(seq, "ts", None)
-                if r.replay_ep is not None:
-                    self._replays.resume(r, join=True)
-                else:
-                    r.stats.replay_done = True
+                self._restored.claim(r, r.key in held)
         except Exception as exc:
             for r in ranks:
                 self._close_rank(r)
@@ -263,21 +272,19 @@ class Subscriber:
                 self._close_rank(r)
         # also a worker known only from a restored snapshot
         self._index.remove_worker(worker_id)
-        for key in [k for k in self._restored if k[0] == worker_id]:
-            del self._restored[key]
+        self._restored.forget(worker_id)
 
     def _do_restore(self, seqs: dict[WorkerKey, int]) -> None:
         for key, seq in seqs.items():
             entry = self._workers.get(key[0])
             r = next((x for x in entry[1] if x.rank == key[1]), None) if entry else None
             if r is None:
-                self._restored[key] = seq  # applied when the worker is added
+                self._restored.seqs[key] = seq  # applied when the worker is added
                 continue
             if r.replay is not None:
                 self._replays.abort(r)
-            r.last, r.live_last, r.last_ts = int(seq), -1, getattr(seq, "ts", None)
-            if r.replay_ep is not None:
-                self._replays.resume(r, join=False)
+            r.live_last = -1
+            self._restored.resume(r, seq, join=False)
 
     def _close_rank(self, r: WorkerRank) -> None:
         if r.replay is not None:

@@ -1,7 +1,7 @@
 """The router's endpoints other than the hot paths, as plain Starlette routes on the FastAPI app:
 the worker registry (admin key), ``/route/{id}/release``, ``/v1/models``, the operator's
 ``/health``, ``/ready`` and ``/metrics``, and the index snapshot a peer replica warm-starts from
-(``/admin/snapshot``, admin key). Each answers msgspec-encoded bytes (no dependency
+(``/admin/snapshot``, the peer key's token or the admin key). Each answers msgspec-encoded bytes (no dependency
 solving, no pydantic serialization); errors are :mod:`router.errors` exceptions, which the app
 turns into OpenAI's error shape.
 """
@@ -178,13 +178,29 @@ async def metrics(request: Request) -> Response:
     return Response(generate_latest(state.prom), media_type=CONTENT_TYPE_LATEST)
 
 
+def _require_peer(state: Runtime, request: Request) -> None:
+    """The snapshot lists every worker's cache: a peer shows the token derived from the shared
+    peer key (``replicas.peer_key_file``, :meth:`PeerKey.snapshot_token`), so a warm start
+    never sends the admin key; the admin key (an operator, or a peer in the trusted-network
+    mode, which has no peer key) is taken too."""
+    key = state.peer_key
+    if key is None:
+        _require_admin(state, request)
+        return
+    keys = [key.snapshot_token()]
+    if state.settings.admin_key:
+        keys.append(state.settings.admin_key)
+    what = "/admin/snapshot (the peer key's token or the admin key)"
+    require_bearer(request.headers.get("authorization"), keys, what)
+
+
 async def snapshot(request: Request) -> Response:
     """The index and each worker rank's last applied seq (``indexer.index.snapshot``'s format),
-    for a peer replica's warm start (router.runtime.replicas.warm). Admin-keyed: it lists every
-    worker's cache. Read on the loop, like every index read (its size is the index's, which
-    its caps bound), a rank at a time (``Runtime.snapshot_bytes``)."""
+    for a peer replica's warm start (router.runtime.replicas.warm). Keyed (``_require_peer``):
+    it lists every worker's cache. Read on the loop, like every index read (its size is the
+    index's, which its caps bound), a rank at a time (``Runtime.snapshot_bytes``)."""
     state = _state(request)
-    _require_admin(state, request)
+    _require_peer(state, request)
     data = await state.snapshot_bytes()
     headers = {"x-kvrouter-block-size": str(state.index.block_size)}
     return Response(data, media_type=SNAPSHOT_TYPE, headers=headers)

@@ -128,9 +128,11 @@ def openapi_document(version: str) -> dict[str, Any]:
         "/admin/snapshot": {
             "get": {
                 "summary": "The index and each worker rank's last applied event (msgpack)",
-                "description": "What a peer replica warm-starts from (replicas.warm_from)",
+                "description": "What a peer replica warm-starts from (replicas.warm_from): "
+                "Bearer the peer key's snapshot token (replicas.peer_key_file) or the admin key",
                 "responses": {
                     "200": _answer("the snapshot"),
+                    "401": _answer("neither the peer token nor the admin key", "ErrorBody"),
                     "403": _answer("no key", "ErrorBody"),
                 },
                 "security": admin,

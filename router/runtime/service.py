@@ -35,9 +35,10 @@ from router.observe.metrics import (
     register_process_metrics,
 )
 from router.observe.replicas import ReplicaCollector
+from router.observe.snapshot import SnapshotCollector
 from router.placement import PlacementSettings, Placer
 from router.runtime.memory import default_index_cap
-from router.runtime.replicas import ReplicaSync, WarmIndex
+from router.runtime.replicas import PeerKey, ReplicaSync, WarmIndex, peer_key
 from router.runtime.tokenize import Tokenizer, byte_tokenizer_warning, make_tokenizer
 from router.settings import Settings, WorkerConfig
 from router.types import WorkerKey
@@ -143,7 +144,10 @@ class Runtime:
         if seqs:  # resume each worker rank after its snapshotted seq (replay closes the gap)
             self.subscriber.restore_seqs(seqs)
         self.prom.register(StateCollector(self._samples))  # (it reads the subscriber's stats)
+        self.prom.register(SnapshotCollector(self.subscriber.snapshot_drops))
         register_process_metrics(self.prom)
+        #: the replicas' shared key (None: none configured): ``/admin/snapshot`` takes its token
+        self.peer_key: PeerKey | None = peer_key(settings.replicas)
         self.replicas: ReplicaSync | None = None  # started by the lifespan, after the subscriber
         if settings.replicas.enabled:
             self.replicas = ReplicaSync(
@@ -301,7 +305,10 @@ class Runtime:
         read a rank at a time with the loop free between ranks, encoded in a thread: the loop
         no longer stalls for the whole index (87 ms at 1 M entries), only for the largest
         rank's copy and encode call (18 ms in 8 ranks; ``benchmarks/bench_snapshot.py``)."""
-        return await snapshot_off_loop(self.index, self.subscriber.resume_point)
+        # only the ranks of workers this replica subscribes to: a restored rank nobody claimed
+        # (yet) is not passed on (issue 37, 7: a peer's made-up rank spread to every start)
+        sub = self.subscriber
+        return await snapshot_off_loop(self.index, sub.resume_point, keep=sub.subscribed)
 
     async def write_snapshot(self) -> None:
         """:meth:`snapshot_bytes` to ``snapshot.path``, written in a thread (atomic)."""
@@ -321,12 +328,17 @@ class Runtime:
 
 
 async def snapshot_off_loop(
-    index: PrefixIndex, resume_point: Callable[[WorkerKey], int | None]
+    index: PrefixIndex,
+    resume_point: Callable[[WorkerKey], int | None],
+    keep: Callable[[WorkerKey], bool] | None = None,
 ) -> bytes:
     """``index.snapshot_bytes``, a rank at a time (each with the seq ``resume_point`` gives in
-    the same step), yielding to the loop between ranks; the encoding runs in a thread."""
+    the same step), yielding to the loop between ranks; the encoding runs in a thread.
+    ``keep``: which ranks to write (None: all)."""
     builder = index.snapshot_builder()
     for key in builder.ranks():
+        if keep is not None and not keep(key):
+            continue
         builder.add(key, resume_point(key))
         await asyncio.sleep(0)
     return await asyncio.to_thread(builder.finish())

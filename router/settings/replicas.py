@@ -71,7 +71,7 @@ class ReplicaSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     peer_timeout_s: float = 5.0
     warm_from: list[str] = msgspec.field(default_factory=list)
     warm_timeout_s: float = 10.0
-    max_snapshot_bytes: int = 1 << 30
+    max_snapshot_bytes: int = 1 << 28
     peer_key_file: str | None = None
     trusted_network: bool = False
 

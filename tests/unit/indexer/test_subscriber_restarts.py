@@ -10,7 +10,8 @@ import zmq.asyncio
 
 from indexer.events import ResumePoint
 from indexer.index import PrefixIndex
-from tests.unit.indexer.conftest import caught_up, endpoint, started, stream
+from indexer.subscriber import WorkerEndpoint
+from tests.unit.indexer.conftest import caught_up, endpoint, started, stream, sync_live
 from tests.unit.indexer.kv_publisher import (
     EventPublisher,
     RecordingIndex,
@@ -21,6 +22,7 @@ from tests.unit.indexer.kv_publisher import (
 from tests.waiting import wait_for
 
 KEY = ("w0", 0)
+KEY_A = ("a", 0)
 
 
 async def _replace_process(
@@ -95,9 +97,10 @@ async def test_reconnect_to_an_idle_new_process_drops_the_old_blocks(
 async def test_snapshot_resume_checks_the_publisher(
     ctx: zmq.asyncio.Context, pubs: list[EventPublisher], tmp_path: Path
 ) -> None:
-    """Worker a kept running (continue after the snapshot seq); worker b restarted and went past
-    the snapshot seq (its whole new stream, nothing of the old one)."""
-    a, b = EventPublisher(ctx), EventPublisher(ctx)
+    """Worker a kept running (continue after the snapshot seq: its buffer no longer reaches seq
+    0, so the resume reconciles at the snapshot's seq); worker b restarted and went past the
+    snapshot seq (its whole new stream, nothing of the old one: rebuilt from seq 0)."""
+    a, b = EventPublisher(ctx, buffer=30), EventPublisher(ctx)
     pubs += [a, b]
     ka, kb = ("a", 0), ("b", 0)
     gen_a, gen_b = StreamGen(84), StreamGen(85, remove_ratio=0.0)
@@ -134,9 +137,12 @@ async def test_snapshot_resume_checks_the_publisher(
         sa, sb = sub.stats()[ka], sub.stats()[kb]
         assert sa.restarts == 0 and sa.replay_failures == 0
         assert index.applied[ka] == list(range(snap_a, a.seq))
-        assert sb.restarts == 1 and sb.replay_failures == 0 and sb.trusted
-        assert b.replay_requests[-2:] == [19, 0]  # check seq 19, then the new stream
-        assert a.replay_requests[-1] == snap_a - 1
+        # b's publisher holds its whole (new) stream: the rank is rebuilt from it alone
+        assert sb.restarts == 0 and sb.replay_failures == 0 and sb.trusted
+        assert sub.snapshot_drops()["rebuilt"] == 1
+        assert b.replay_requests[-1] == 0
+        # a's replay asked from 0 (to reconcile); its buffer began at 20: checked at seq 39
+        assert a.replay_requests[-1] == 0
         assert index.applied[kb] == list(range(b.seq))
         ref = reference({ka: a.batches, kb: b.batches})
         assert_same_index(index, ref, [ka, kb], gen_a.queries() + gen_b2.queries())
@@ -162,5 +168,42 @@ async def test_join_replay_sets_freshness(
         assert st.replayed == 5
         assert st.last_message_at is not None and st.lag_s is not None and st.lag_s >= 0
         assert sub.seconds_since_last_message("w0") is not None
+    finally:
+        await sub.aclose()
+
+
+async def test_a_restored_rank_nothing_can_check_is_cleared_and_a_foreign_rank_dropped(
+    ctx: zmq.asyncio.Context, pubs: list[EventPublisher], tmp_path: Path
+) -> None:
+    """Issue 37, 7: a snapshot's rank of a worker with no replay endpoint (nothing can prove its
+    entries) is cleared and rebuilt from live events; a rank beyond the worker's dp_ranks is
+    dropped; both counted. (Before, both were kept for good.)"""
+    a = EventPublisher(ctx)
+    pubs.append(a)
+    gen = StreamGen(90, remove_ratio=0.0)
+    first = PrefixIndex()
+    sub = await started(first, ctx)
+    try:
+        await sub.add_worker(endpoint("a", a))
+        await wait_for(sub.ready)
+        await stream(a, gen, 10)
+        await caught_up(sub, KEY_A, a)
+        points = sub.resume_points()
+    finally:
+        await sub.aclose()
+    first.add_worker("a", 3)  # a made-up rank: worker a has one
+    first.apply_batch("a", a.batches[0], dp_rank=3)
+    first.snapshot(tmp_path / "index.snap", {**points, ("a", 3): ResumePoint(0, 1.0)})
+    index, restored = PrefixIndex.restore(tmp_path / "index.snap")
+    assert index.worker(KEY_A).entries() > 0 and ("a", 3) in restored
+    sub = await started(index, ctx)
+    try:
+        sub.restore_seqs(restored)
+        await sub.add_worker(WorkerEndpoint("a", a.events, None))  # no replay endpoint
+        assert sorted(index.workers()) == [KEY_A] and index.worker(KEY_A).entries() == 0
+        assert sub.snapshot_drops() == {"unconfigured_rank": 1, "unverifiable": 1, "rebuilt": 0}
+        await sync_live(a, sub, KEY_A)  # (past the slow-joiner window)
+        a.publish(gen.events())  # live events rebuild it
+        await wait_for(lambda: index.worker(KEY_A).entries() > 0, what="a live event applied")
     finally:
         await sub.aclose()
