@@ -143,7 +143,13 @@ def _with_id(start: Message, headers: Any, rid: bytes) -> Message:
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per log line (``log_format: json``); access lines carry their fields."""
+    """One JSON object per log line (``log_format: json``); access lines carry their fields;
+    ``process``: the index of this process of ``kvrouter serve --processes N`` (a ``process``
+    field on every line), None alone."""
+
+    def __init__(self, process: int | None = None) -> None:
+        super().__init__()
+        self.process = process
 
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
@@ -151,6 +157,8 @@ class JsonFormatter(logging.Formatter):
             "level": record.levelname.lower(),
             "logger": record.name,
         }
+        if self.process is not None:
+            out["process"] = self.process
         fields = getattr(record, "access", None)
         if isinstance(fields, dict):
             out.update(fields)
