@@ -1,5 +1,5 @@
 """The ``kvrouter`` command: ``serve`` (the router), ``engine`` (the bundled engine), ``up`` (both),
-``replay`` (routing quality on a trace).
+``replay`` (routing quality on a trace), ``route`` and ``workers`` (a running router asked).
 
 Imports are lazy: ``kvrouter serve`` never loads the engine, ``kvrouter engine`` never loads the
 router.
@@ -22,6 +22,8 @@ commands:
   engine   run a bundled engine      (kvrouter engine --help)
   up       run a router and N engines on this machine (kvrouter up --help)
   replay   replay a trace through every routing policy (kvrouter replay --help)
+  route    where a running router would send a request, and why (kvrouter route --help)
+  workers  a running router's workers and their event streams (kvrouter workers --help)
 
 options:
   -h, --help     show this help and exit
@@ -54,5 +56,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvrouter.replay.cli import main as replay_main
 
         return replay_main(rest)
+    if cmd in ("route", "workers"):
+        from kvrouter.client import main as client_main
+
+        return client_main(cmd, rest)
     print(f"kvrouter: unknown command {cmd!r}\n\n{USAGE}", end="", file=sys.stderr)
     return 2

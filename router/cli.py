@@ -221,7 +221,7 @@ def _serve(argv: list[str], args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     if args.process is not None:
         settings, process = process_settings(settings, args.process, args.sync_dir or "")
-    _logging(settings, args)
+    _logging(settings, args, process)
     if settings.server.processes > 1:
         return run_processes(argv, settings)
     if args.fd is not None:  # inherited, already listening (router.edge.processes)
@@ -236,8 +236,10 @@ def _serve(argv: list[str], args: argparse.Namespace) -> int:
 
     app = create_app(settings, process=process or 0)
     # (raises the soft RLIMIT_NOFILE; fails when it leaves no room for clients)
+    # log_config None: uvicorn's own lines go through the root handler too, with its format
+    # (JSON, the process tag) instead of uvicorn's
     config = server_config(
-        app, host=settings.host, port=settings.port, log_level=settings.log_level
+        app, host=settings.host, port=settings.port, log_level=settings.log_level, log_config=None
     )
     server = _Server(config, app, settings.server.drain_grace_s, process)
     try:
@@ -250,16 +252,19 @@ def _serve(argv: list[str], args: argparse.Namespace) -> int:
     return 0 if server.started else 1
 
 
-def _logging(settings: Settings, args: argparse.Namespace) -> None:
+def _logging(settings: Settings, args: argparse.Namespace, process: int | None) -> None:
+    """The root handler's format; ``process``: ``--processes``' index of this one, which tags
+    its lines (``[p1]``; JSON: ``"process": 1``), as they share one stderr."""
+    tag = "" if process is None else f"[p{process}] "
     logging.basicConfig(
         level=settings.log_level.upper() if settings.log_level != "trace" else "DEBUG",
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format=f"%(asctime)s %(levelname)s {tag}%(name)s: %(message)s",
     )
     if settings.log_format == "json":
         from router.edge.access import JsonFormatter
 
         for handler in logging.getLogger().handlers:
-            handler.setFormatter(JsonFormatter())
+            handler.setFormatter(JsonFormatter(process))
     if args.admin_key:
         log.warning(
             "--admin-key is visible to every local user in ps: give the admin key in "

@@ -6,7 +6,9 @@ the EPP's ext_proc streams write the same line through :func:`write_access`).
   worker by the proxy.
 - One log line per request on the ``kvrouter.access`` logger: method, path, status, worker,
   response bytes, time to the first body byte, duration and the request id; with
-  ``log_format: json`` (``--log-format json``) each line is one JSON object.
+  ``scoring.explain`` also ``why`` (the answer's ``x-kvrouter-why``: the pick's blocks, cost and
+  runner-up, :func:`router.edge.door.why`); with ``log_format: json`` (``--log-format json``)
+  each line is one JSON object.
 """
 
 from __future__ import annotations
@@ -20,10 +22,20 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-__all__ = ["AccessLog", "JsonFormatter", "request_id", "write_access"]
+__all__ = [
+    "WHY_HEADER",
+    "AccessLog",
+    "JsonFormatter",
+    "request_id",
+    "why_of",
+    "write_access",
+]
 
 log = logging.getLogger("kvrouter.access")
 _ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
+#: the pick's explanation (router.edge.door.why), which the access line repeats
+WHY_HEADER = "x-kvrouter-why"
+_WHY_BYTES = WHY_HEADER.encode()
 
 
 def request_id(given: bytes | None) -> tuple[bytes, bool]:
@@ -43,8 +55,10 @@ def write_access(
     ttfb: float | None,
     t0: float,
     rid: bytes,
+    why: str = "",
 ) -> None:
-    """The access line of one request (``t0``, ``ttfb``: on ``time.perf_counter``)."""
+    """The access line of one request (``t0``, ``ttfb``: on ``time.perf_counter``); ``why``:
+    the pick's ``x-kvrouter-why``, when explained."""
     if not log.isEnabledFor(logging.INFO):
         return
     fields = {
@@ -57,12 +71,19 @@ def write_access(
         "duration_ms": round((time.perf_counter() - t0) * 1e3, 3),
         "request_id": rid.decode("ascii"),
     }
-    log.info(
+    line = (
         "%(method)s %(path)s %(status)s worker=%(worker)s bytes=%(bytes)s "
-        "ttfb_ms=%(ttfb_ms)s duration_ms=%(duration_ms)s request_id=%(request_id)s",
-        fields,
-        extra={"access": fields},
+        "ttfb_ms=%(ttfb_ms)s duration_ms=%(duration_ms)s request_id=%(request_id)s"
     )
+    if why:
+        fields["why"] = why
+        line += ' why="%(why)s"'  # (its own fields are key=value too: quoted as one)
+    log.info(line, fields, extra={"access": fields})
+
+
+def why_of(headers: list[tuple[str, str]]) -> str:
+    """The ``x-kvrouter-why`` among an answer's headers ("" when not explained)."""
+    return next((v for k, v in headers if k == WHY_HEADER), "")
 
 
 class AccessLog:
@@ -88,7 +109,7 @@ class AccessLog:
             await self.app(scope, receive, send_id)
             return
         t0 = time.perf_counter()
-        seen: dict[str, Any] = {"status": 0, "worker": "", "bytes": 0, "ttfb": None}
+        seen: dict[str, Any] = {"status": 0, "worker": "", "bytes": 0, "ttfb": None, "why": ""}
 
         async def send_logged(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -97,6 +118,8 @@ class AccessLog:
                 for k, v in headers:
                     if k == b"x-kvrouter-worker":
                         seen["worker"] = v.decode("ascii", "replace")
+                    elif k == _WHY_BYTES:
+                        seen["why"] = v.decode("ascii", "replace")
                 message = _with_id(message, headers, rid)
             elif message["type"] == "http.response.body":
                 body = message.get("body", b"")
@@ -110,7 +133,8 @@ class AccessLog:
         finally:
             method, path = scope.get("method", ""), scope.get("path", "")
             worker, nbytes, ttfb = seen["worker"], seen["bytes"], seen["ttfb"]
-            write_access(method, path, seen["status"], worker, nbytes, ttfb, t0, rid)
+            why = seen["why"]
+            write_access(method, path, seen["status"], worker, nbytes, ttfb, t0, rid, why)
 
 
 def _with_id(start: Message, headers: Any, rid: bytes) -> Message:
@@ -119,7 +143,13 @@ def _with_id(start: Message, headers: Any, rid: bytes) -> Message:
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per log line (``log_format: json``); access lines carry their fields."""
+    """One JSON object per log line (``log_format: json``); access lines carry their fields;
+    ``process``: the index of this process of ``kvrouter serve --processes N`` (a ``process``
+    field on every line), None alone."""
+
+    def __init__(self, process: int | None = None) -> None:
+        super().__init__()
+        self.process = process
 
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
@@ -127,6 +157,8 @@ class JsonFormatter(logging.Formatter):
             "level": record.levelname.lower(),
             "logger": record.name,
         }
+        if self.process is not None:
+            out["process"] = self.process
         fields = getattr(record, "access", None)
         if isinstance(fields, dict):
             out.update(fields)

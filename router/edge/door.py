@@ -7,7 +7,7 @@ checks, the same pick and the same ``x-kvrouter-*`` headers whichever way it cam
   tries to steer a KV transfer) and its prompt tokens;
 - :func:`enter`: admit (the placement core's in-flight count, 429 past ``proxy.max_inflight``),
   decode, place and pick (503 when no worker can take it), as an :class:`Entry`;
-- :func:`pick_headers`: what a pick says to the client.
+- :func:`pick_headers`: what a pick says to the client; :func:`why` why it went there (opt-in).
 
 The door decides nothing itself: the placement core's :meth:`router.placement.Placer.pick` does;
 each door then executes the pick (the proxy's legs: :mod:`router.edge.pd_flow`).
@@ -15,9 +15,11 @@ each door then executes the pick (the proxy's legs: :mod:`router.edge.pd_flow`).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
+from router.edge.access import WHY_HEADER
 from router.edge.bodies import (
     ChatBody,
     CompletionBody,
@@ -30,7 +32,7 @@ from router.errors import BadRequest, require_bearer
 from router.placement import Admission, Choice, Pick, WorkerView
 from router.runtime import Runtime
 
-__all__ = ["Entry", "authorize", "enter", "pick_headers", "request_tokens"]
+__all__ = ["Entry", "authorize", "enter", "pick_headers", "request_tokens", "why"]
 
 
 def authorize(state: Runtime, authorization: str | None, what: str) -> None:
@@ -117,11 +119,14 @@ async def enter(
     return Entry(admission, endpoint, body, req, stream, pick)
 
 
-def pick_headers(pick: Pick, serving: Choice | None = None) -> list[tuple[str, str]]:
+def pick_headers(
+    pick: Pick, serving: Choice | None = None, *, explain: bool = False
+) -> list[tuple[str, str]]:
     """The answer headers of a pick, the same from every door: the worker serving the client
     (the decode worker), the blocks of the prompt it holds, and for a disaggregated fleet what
     was decided and why (after a door's fallback: what was done, and its cause).
-    ``serving``: the decode worker the door sent to, when not the first (a retry)."""
+    ``serving``: the decode worker the door sent to, when not the first (a retry); ``explain``
+    (``scoring.explain``): also ``x-kvrouter-why`` (:func:`why`)."""
     dc = serving or pick.decode
     matched = str(dc.cand.matched_blocks)
     out = [
@@ -138,4 +143,39 @@ def pick_headers(pick: Pick, serving: Choice | None = None) -> list[tuple[str, s
             out.append(("x-kvrouter-prefill-worker", p.worker.id))
         if pick.fallback:
             out.append(("x-kvrouter-pd-fallback", pick.fallback))
+    if explain:
+        out.append((WHY_HEADER, why(pick, dc)))
     return out
+
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")  # a tier name is a worker's free text (its events)
+
+
+def why(pick: Pick, serving: Choice | None = None) -> str:
+    """Why the pick went where it did, in one line (``x-kvrouter-why``, the access line's
+    ``why``): the serving worker's matched blocks per tier (of the request's full blocks), its
+    credit and cost, then the runner-up (the next eligible rank) and by how much it lost::
+
+        worker=b blocks=GPU:12,CPU_PINNED:3 of=20 credit=13.8 cost=4.1; next=a cost=9.7 margin=5.6
+
+    Costs are in blocks of decode work (router.placement.scoring); a negative margin says the
+    runner-up cost less and was passed over (a retry, a temperature draw, a replica's lane)."""
+    dc = serving or pick.decode
+    c = dc.cand
+    tiers = ",".join(f"{_UNSAFE.sub('?', t)}:{m}" for t, m in c.by_tier.items() if m)
+    text = f"worker={_rank(dc)} blocks={tiers or 0} of={pick.decision.n}"
+    if c.predicted_blocks:
+        text += f" predicted={c.predicted_blocks}"
+    text += f" credit={c.credited:.1f} cost={c.cost:.1f}"
+    nxt = next((x for x in pick.decodes if x.cand.key != c.key), None)
+    if nxt is not None:
+        margin = nxt.cand.cost - c.cost
+        text += f"; next={_rank(nxt)} cost={nxt.cand.cost:.1f} margin={margin:.1f}"
+    return text
+
+
+def _rank(ch: Choice) -> str:
+    """A worker id, and its rank when it has several (``@``: never in an id)."""
+    if ch.worker.config.dp_ranks > 1:
+        return f"{ch.worker.id}@{ch.cand.key[1]}"
+    return ch.worker.id

@@ -27,7 +27,10 @@ parent makes and removes. What this parent does, and why:
   took the connection (``kvrouter_replica_info{process}`` says which); ``server.metrics_port``
   gives process ``i`` a port of its own besides (``metrics_port + i``; 0: any free port, named on
   its line), to scrape each. Aggregating in one process was left out: prometheus_client's
-  multiprocess mode does not take the router's own collectors.
+  multiprocess mode does not take the router's own collectors. Prometheus scrapes each process's
+  port (deploy/observability/prometheus.yml), never the shared one.
+- **Logs**: the processes share stderr; each tags its lines ``[pI]`` (JSON: ``"process": I``;
+  router.cli), the parent's own lines are untagged.
 
 stdout carries each process's ``kvrouter router process I (pid P) listening on ...`` line and,
 once the first process serves, the usual ``kvrouter router listening on http://HOST:PORT``.

@@ -47,7 +47,7 @@ from router.errors import (
     error_json,
 )
 from router.fleet.upstream import ConnectError, ReadTimeout, UpstreamError, UpstreamResponse
-from router.placement import REMOTE, Flight, cached_tokens
+from router.placement import REMOTE, Choice, Flight, cached_tokens
 from router.runtime import Runtime
 
 __all__ = ["AsgiProxy", "Responder", "proxy_request"]
@@ -145,6 +145,11 @@ async def _serve(
     d = pick.decision
     params: dict[str, Any] | None = None
     sibling: Sibling | None = None
+    explain = state.settings.scoring.explain
+
+    def picked(dc: Choice | None = None) -> Headers:
+        return [(k.encode(), v.encode()) for k, v in pick_headers(pick, dc, explain=explain)]
+
     if pick.mode == REMOTE:
         if state.settings.pd.protocol == "sglang":
             sibling = Sibling(state, entry, fwd, t0)
@@ -152,8 +157,7 @@ async def _serve(
             got = await prefill_first(state, entry, fwd, t0)
             if isinstance(got, PrefillAnswer):
                 ctype = got.content_type.encode() if got.content_type else b"application/json"
-                hs = [(k.encode(), v.encode()) for k, v in pick_headers(pick)]
-                await out.whole(got.status, [(b"content-type", ctype), *hs], got.content)
+                await out.whole(got.status, [(b"content-type", ctype), *picked()], got.content)
                 return
             params = got
     path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
@@ -186,9 +190,8 @@ async def _serve(
                 sibling = None
                 if e.answer is not None:
                     a = e.answer
-                    hs = [(k_.encode(), v.encode()) for k_, v in pick_headers(pick, dc)]
                     ctype = a.content_type.encode() or b"application/json"
-                    await out.whole(a.status, [(b"content-type", ctype), *hs], a.content)
+                    await out.whole(a.status, [(b"content-type", ctype), *picked(dc)], a.content)
                     return
                 pick.fall_back(e.cause)
                 state.metrics.pd.fell_back(e.cause)
@@ -226,7 +229,7 @@ async def _serve(
                     continue
             out_headers: Headers = [
                 (b"content-type", _content_type(resp.header("content-type"), content)),
-                *((k_.encode(), v.encode()) for k_, v in pick_headers(pick, dc)),
+                *picked(dc),
             ]
             if content is None:
                 await _stream(resp, flight, out, out_headers)

@@ -115,7 +115,7 @@ def _answer(
     )
     data = encode(out)
     state.metrics.route_latency.observe(time.perf_counter() - t0)
-    return data, pick_headers(pick)
+    return data, pick_headers(pick, explain=state.settings.scoring.explain)
 
 
 def _breakdown(by_tier: Mapping[str, int], seen: dict[int, dict[str, int]]) -> dict[str, int]:

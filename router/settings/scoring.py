@@ -71,6 +71,9 @@ class ScoringSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     running_weight: float = 0.0
     waiting_weight: float = 0.0
     kv_usage_weight: float = 0.0
+    #: say why each pick went where it did (x-kvrouter-why on the answers, ``why`` on the
+    #: access lines): off by default, as it tells clients the fleet's worker ids and costs
+    explain: bool = False
 
     def __post_init__(self) -> None:
         _check(self.overlap_weight >= 0, "overlap_weight", "must be >= 0")

@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable
 
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
 
-from router.edge.access import request_id, write_access
+from router.edge.access import request_id, why_of, write_access
 from router.edge.door import enter, pick_headers
 from router.edge.epp.deadline import Deadline
 from router.edge.epp.errors import ProtocolError
@@ -119,9 +119,9 @@ class EppStream:
         finally:
             self._end(self.ending)
             if self.rid:  # (a request was read: its line, as the HTTP server writes one)
-                path = self.path.partition("?")[0]
-                nbytes, ttfb, t0, rid = self.nbytes, self.ttfb, self.t0, self.rid
-                write_access(self.method, path, self.status, self.worker, nbytes, ttfb, t0, rid)
+                path, why = self.path.partition("?")[0], why_of(self.answer_headers)
+                nbytes, ttfb, t0, m = self.nbytes, self.ttfb, self.t0, self.method
+                write_access(m, path, self.status, self.worker, nbytes, ttfb, t0, self.rid, why)
 
     # ------------------------------------------------------------------ request phase
 
@@ -252,7 +252,7 @@ class EppStream:
         ws, cand = dc.worker, dc.cand
         more: list[tuple[str, str]] = []
         self.worker = ws.id
-        self.answer_headers += pick_headers(pick)
+        self.answer_headers += pick_headers(pick, explain=s.scoring.explain)
         if ws.config.dp_ranks > 1:
             more.append(("x-data-parallel-rank", str(cand.key[1])))
             remove.remove("x-data-parallel-rank")

@@ -76,3 +76,13 @@ def test_replay_help_is_plain_text_with_live_flags_apart() -> None:
     for flag in ("--trace", "--policies", "--plots", "--json", "--no-progress"):
         assert flag in general and flag not in live, flag
     assert _options_without_help(text) == []
+
+
+def test_route_and_workers_help_tell_where_the_keys_come_from() -> None:
+    text = _help("route")
+    assert "OPENAI_API_KEY" in text and "--api-key-file" in text and "/route" in text
+    assert _options_without_help(text) == []
+    text = _help("workers")
+    assert "KVROUTER_ADMIN_KEY" in text and "--admin-key-file" in text
+    assert _options_without_help(text) == []
+    assert "route " in _help() and "workers " in _help()

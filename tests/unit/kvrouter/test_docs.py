@@ -26,6 +26,18 @@ def test_every_setting_is_described_in_the_example_config() -> None:
     assert not missing, f"settings without a description in {docs.EXAMPLE.name}: {missing}"
 
 
+def test_the_example_config_holds_every_default() -> None:
+    """It says it is "a complete file with every default": a changed default, or a key left
+    out, shows here (its workers are the example's own)."""
+    import msgspec
+
+    example = yaml.safe_load(docs.EXAMPLE.read_text())
+    defaults = msgspec.to_builtins(Settings())
+    example.pop("workers")
+    defaults.pop("workers")
+    assert example == defaults
+
+
 def test_example_descriptions_follow_nesting_and_continuations() -> None:
     text = (
         "a: 1  # top\nb:\n  c: 2            # nested\n                    # more\nd: 3\n"
