@@ -7,6 +7,7 @@
 - ``match``: ``Matcher``, request -> per-worker matched prefix, one entry point ``match`` (read-only);
 - ``evict``: ``Evictor``, the caps per rank (its KV capacity, else a default) and in all, least
   recently used first;
+- ``approx``: the tree of a rank without events, from what the router sent there;
 - ``rechunk``: a worker's engine blocks whose page size is not the router block size;
 - ``snapshot``: the state to a file (or bytes: a peer router's warm start), and its format;
 - ``snapshot_load``: the state back from those, validated and under a ``DecodeBudget``;
@@ -23,6 +24,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 
 from indexer.events import EngineHash, Event, EventBatch
+from indexer.index import approx
 from indexer.index.apply import Applier
 from indexer.index.evict import Evictor
 from indexer.index.match import Matcher
@@ -115,6 +117,33 @@ class PrefixIndex:
 
     def clear_worker(self, worker_id: str, dp_rank: int) -> None:
         self._state.clear_worker(worker_id, dp_rank)
+
+    def set_approximate(self, key: WorkerKey, on: bool = True) -> None:
+        """Rank ``key`` is fed by what the router sends it (``on``) or by its events: a change
+        of kind drops its entries (the other kind's are not this one's) and its cap follows."""
+        w = self._state.by_key[key]
+        if w.approximate != on:
+            self._state.drop_entries(w)
+            w.approximate = on
+            self._evictor.refresh(w)
+
+    def approximate(self, key: WorkerKey) -> bool:
+        """Whether rank ``key`` is approximate (False for an unknown rank)."""
+        w = self._state.by_key.get(key)
+        return w is not None and w.approximate
+
+    def record_sent(self, key: WorkerKey, hashes: Sequence[int]) -> int:
+        """The router sent a request of router blocks ``hashes`` to approximate rank ``key``:
+        they enter its tree, least recently sent forgotten past its cap (``approx``). Returns
+        the blocks new there; 0 for a rank fed by events (its events say what it stores) or
+        one no longer known."""
+        w = self._state.by_key.get(key)
+        if w is None or not w.approximate or not hashes:
+            return 0
+        added = approx.record(self._state, w, hashes)
+        if w.cap and w.entries() > w.cap:
+            self._evictor.over_cap(w)
+        return added
 
     # -------------------------------------------------------------------- cap
 

@@ -35,10 +35,11 @@ from collections.abc import Mapping, Sequence
 from itertools import islice
 
 from indexer.events import CANONICAL_TIERS, EngineHash
+from indexer.index.approx import trim as approx_trim
 from indexer.index.match import Matcher
 from indexer.index.native import remove_gpu
 from indexer.index.state import IndexState
-from indexer.index.types import MAX_TIERS, RankRecord
+from indexer.index.types import GPU, MAX_TIERS, RankRecord
 
 __all__ = ["EVICT_SLACK", "Evictor"]
 
@@ -121,9 +122,13 @@ class Evictor:
         return self.over_cap(w) if w.cap and w.entries() > w.cap else 0
 
     def rank_cap(self, w: RankRecord) -> tuple[int, str]:
-        """Rank ``w``'s cap now (0: none) and where it comes from: "capacity", "default", ""."""
+        """Rank ``w``'s cap now (0: none) and where it comes from: "capacity", "default", "".
+        An approximate rank's is its GPU capacity itself: its tree is a guess of that cache."""
         default = self.rank_default
         cap = w.capacity
+        if w.approximate:
+            gpu = (cap or {}).get(GPU, 0)
+            return (gpu, "capacity") if gpu else (default, "default" if default else "")
         if cap is None:
             return default, "default" if default else ""
         derived = self._from_capacity(cap)
@@ -134,6 +139,12 @@ class Evictor:
                 return default, "default"
         return derived, "capacity"
 
+    def refresh(self, w: RankRecord) -> int:
+        """Rank ``w`` changed kind (events or approximate): its cap follows; evicts what it
+        leaves over and returns it."""
+        w.cap = self._trigger(w)
+        return self.over_cap(w) if w.cap and w.entries() > w.cap else 0
+
     @property
     def active(self) -> bool:
         """Some cap is on (the writer then folds recency marks every round)."""
@@ -141,7 +152,10 @@ class Evictor:
 
     def _trigger(self, w: RankRecord) -> int:
         """``w.cap``: where the rank nears the cap its capacity (or the default) gives it; a
-        rank holding tiers of no reported size finds its true cap in ``over_cap``."""
+        rank holding tiers of no reported size finds its true cap in ``over_cap``. An
+        approximate rank forgets at its cap exactly."""
+        if w.approximate:
+            return self.rank_cap(w)[0]
         if w.capacity is None:
             return _near(self.rank_default)
         return _near(self._from_capacity(w.capacity))
@@ -185,8 +199,10 @@ class Evictor:
     def over_cap(self, w: RankRecord) -> int:
         """The applier saw rank ``w`` past ``w.cap``: near its cap, its matches count from now
         on; past it, its least recently used entries go, down to ``slack`` under it. Returns
-        the entries evicted."""
+        the entries evicted. An approximate rank forgets its least recently sent blocks."""
         cap, source = self.rank_cap(w)
+        if w.approximate:
+            return approx_trim(self._state, w, cap)
         n = w.entries()
         if not cap or n <= _near(cap):
             return 0

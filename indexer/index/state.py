@@ -131,6 +131,7 @@ class IndexState:
         w.stats.blocks_by_tier = {
             self.tier_names[i]: c for i, c in enumerate(counts) if c or i < len(CANONICAL_TIERS)
         }
+        w.stats.source = "approximate" if w.approximate else "events"
         return w.stats
 
     def __len__(self) -> int:

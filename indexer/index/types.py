@@ -90,6 +90,10 @@ class WorkerIndexStats:
     cap_source: str = ""
     #: Events with an unknown ``medium``, by name (bounded, see ``MAX_UNKNOWN_MEDIUMS``).
     unknown_mediums: dict[str, int] = field(default_factory=dict)
+    #: Where the rank's entries come from: "events" (its KV events) or "approximate" (what the
+    #: router sent there, ``indexer.index.approx``); and what that tree forgot at its cap.
+    source: str = "events"
+    forgotten_entries: int = 0
 
 
 class PagedBlocks(Protocol):
@@ -119,6 +123,7 @@ class RankRecord:
     """One worker rank's record: its engine blocks, their tiers and its counters."""
 
     __slots__ = (
+        "approximate",
         "bit",
         "cap",
         "cap_warned",
@@ -168,6 +173,8 @@ class RankRecord:
         self.capacity: dict[int, int] | None = None
         self.cap_warned = False
         self.counted = 0
+        #: no events: the entries are the blocks the router sent here (``indexer.index.approx``)
+        self.approximate = False
 
     def entries(self) -> int:
         """(engine block) entries of this rank, re-chunked ones included: what its cap counts."""
