@@ -63,8 +63,9 @@ class WorkerEndpoint(msgspec.Struct, frozen=True):
     (``id``, ``events_endpoint``, ``replay_endpoint``, ``dp_ranks``, ``model``)."""
 
     id: str
-    #: "tcp://host:5557": dp rank r publishes on port + r.
-    events_endpoint: str
+    #: "tcp://host:5557": dp rank r publishes on port + r. None: the worker publishes no
+    #: events; its ranks are approximate (``PrefixIndex.record_sent`` feeds them).
+    events_endpoint: str | None
     #: The publisher's ROUTER replay endpoint, dp rank r on port + r.
     replay_endpoint: str | None = None
     dp_ranks: int = 1
@@ -232,6 +233,8 @@ class WorkerRank:
         self.worker_id = ep.id
         self.rank = rank
         self.key: WorkerKey = (ep.id, rank)
+        if ep.events_endpoint is None:  # (the subscriber opens no rank for such a worker)
+            raise SubscriberError(f"worker {ep.id!r} publishes no events: no rank to subscribe")
         self.events_ep = rank_endpoint(ep.events_endpoint, rank)
         self.replay_ep = (
             None if ep.replay_endpoint is None else rank_endpoint(ep.replay_endpoint, rank)

@@ -104,6 +104,16 @@ class RestoredRanks:
         r.last, r.last_ts = int(seq), ts
         self._replays.resume(r, join=join, reconcile=True)
 
+    def unverifiable(self, worker_id: str, held: set[WorkerKey]) -> None:
+        """The worker has no events: nothing can check its held ranks, whose entries go when
+        its ranks turn approximate (``PrefixIndex.set_approximate``)."""
+        self.forget(worker_id)
+        for key in sorted(held):
+            self._count("unverifiable")
+            log.warning(
+                "worker %s rank %d: snapshot entries cleared (it publishes no events)", *key
+            )
+
     def forget(self, worker_id: str) -> None:
         for key in [k for k in self.seqs if k[0] == worker_id]:
             del self.seqs[key]

@@ -3,8 +3,10 @@
 For every worker and dp rank it subscribes to the worker's event endpoint (rank r on base port +
 r) and, while a replay runs, talks to its replay endpoint (also base port + r). One asyncio task
 does all of it and is the only code that mutates the index; ``add_worker``/``remove_worker``/
-``restore_seqs``/``set_capacity`` are commands to it. The subscriber holds the registry of
-workers and the task, and one of each part it composes:
+``restore_seqs``/``set_capacity``/``record_sent`` are commands to it. A worker without events
+gets no sockets: its ranks are approximate, fed by ``record_sent`` (what the router sent
+there). The subscriber holds the registry of workers and the task, and one of each part it
+composes:
 
 - ``sockets.Sockets``: the sockets, their registration with the loop, the task's wait;
 - ``stream.StreamRules``: what to do with each live batch and connection event;
@@ -18,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -120,7 +122,8 @@ class Subscriber:
         if not ep.id or ep.dp_ranks < 1:
             raise SubscriberError(f"invalid worker endpoint {ep!r}")
         for rank in range(ep.dp_ranks):
-            rank_endpoint(ep.events_endpoint, rank)
+            if ep.events_endpoint is not None:
+                rank_endpoint(ep.events_endpoint, rank)
             if ep.replay_endpoint is not None:
                 rank_endpoint(ep.replay_endpoint, rank)
         await self._submit("add", ep)
@@ -140,6 +143,12 @@ class Subscriber:
         its entries in the index (``PrefixIndex.set_rank_capacity``): a command to the task."""
         self._post("capacity", (key, None if capacity is None else dict(capacity)))
 
+    def record_sent(self, key: WorkerKey, hashes: Sequence[int]) -> None:
+        """The router sent a request of router blocks ``hashes`` to rank ``key``: on an
+        approximate rank they enter its tree (``PrefixIndex.record_sent``), a command to the
+        task, the index's only writer (a rank fed by events ignores it)."""
+        self._post("sent", (key, hashes))
+
     def stats(self) -> dict[WorkerKey, WorkerStats]:
         """Per (worker_id, dp_rank) stats, refreshed from the index (the objects are live)."""
         return {r.key: r.refreshed_stats(self._index) for r in self._ranks()}
@@ -148,7 +157,9 @@ class Subscriber:
         """Whether rank ``key`` is one of an added worker's (a snapshot's rank no worker has
         claimed is not: it is never exported again)."""
         entry = self._workers.get(key[0])
-        return entry is not None and key[1] < entry[0].dp_ranks
+        # (an approximate rank is the router's own guess: nothing a warm start could check)
+        ep = entry[0] if entry is not None else None
+        return ep is not None and ep.events_endpoint is not None and key[1] < ep.dp_ranks
 
     def snapshot_drops(self) -> dict[str, int]:
         """A snapshot's ranks dropped, cleared or rebuilt, by reason
@@ -235,6 +246,8 @@ class Subscriber:
             self._do_add(arg)
         elif kind == "remove":
             self._do_remove(arg)
+        elif kind == "sent":
+            self._index.record_sent(*arg)
         elif kind == "capacity":
             self._index.set_rank_capacity(*arg)
         else:
@@ -249,6 +262,13 @@ class Subscriber:
         ranks: list[WorkerRank] = []
         held = self._restored.held(ep.id)  # (a snapshot's: only this task adds ranks)
         self._restored.drop_unconfigured(ep, held)
+        if ep.events_endpoint is None:  # no stream: approximate ranks, no sockets
+            self._restored.unverifiable(ep.id, held)
+            for rank in range(ep.dp_ranks):
+                self._index.add_worker(ep.id, rank, model=ep.model)
+                self._index.set_approximate((ep.id, rank))
+            self._workers[ep.id] = (ep, ranks)
+            return
         try:
             for rank in range(ep.dp_ranks):
                 self._index.add_worker(ep.id, rank, model=ep.model)

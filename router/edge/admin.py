@@ -19,6 +19,7 @@ from router.errors import BadRequest, Forbidden, NotFound, require_bearer
 from router.runtime import Runtime
 from router.runtime.replicas import SNAPSHOT_TYPE
 from router.settings import WorkerConfig
+from router.types import WorkerKey
 
 __all__ = [
     "add_worker",
@@ -102,6 +103,7 @@ def _worker_view(state: Runtime, worker_id: str) -> dict[str, Any]:
         ranks.append(
             {
                 "dp_rank": key[1],
+                "source": _source(state, key),
                 "subscriber": ws.as_dict() if ws is not None else None,
                 "inflight_requests": ld.requests if ld is not None else 0,
                 "inflight_prefill_blocks": ld.inflight_prefill if ld is not None else 0.0,
@@ -114,6 +116,8 @@ def _worker_view(state: Runtime, worker_id: str) -> dict[str, Any]:
         "role": cfg.role,
         "bootstrap_port": cfg.bootstrap_port,
         "events_endpoint": cfg.events_endpoint,
+        "source": _source(state, st.keys[0]),
+        "kv_blocks": cfg.kv_blocks,
         "replay_endpoint": cfg.replay_endpoint,
         "dp_ranks": cfg.dp_ranks,
         "pool": cfg.pool,
@@ -130,6 +134,11 @@ def _worker_view(state: Runtime, worker_id: str) -> dict[str, Any]:
         "events_stale": state.registry.events_stale(st, since),
         "ranks": ranks,
     }
+
+
+def _source(state: Runtime, key: WorkerKey) -> str:
+    """Where the rank's index entries come from: its KV events, or what the router sent it."""
+    return "approximate" if state.index.approximate(key) else "events"
 
 
 async def list_workers(request: Request) -> Response:

@@ -111,7 +111,8 @@ class WorkerIn(msgspec.Struct, forbid_unknown_fields=True):
 
     id: str
     url: str
-    events_endpoint: str
+    #: omitted: read from the worker's GET /kv_event_sources; "none": it publishes no events
+    events_endpoint: str | None = None
     replay_endpoint: str | None = None
     dp_ranks: int = 1
     pool: str | None = None
@@ -119,6 +120,8 @@ class WorkerIn(msgspec.Struct, forbid_unknown_fields=True):
     #: prefill, decode or both (the default); SGLang PD: the prefill worker's bootstrap port
     role: str = "both"
     bootstrap_port: int | None = None
+    #: GPU KV blocks per rank when its /metrics does not say
+    kv_blocks: int | None = None
 
 
 class CandidateOut(msgspec.Struct, gc=False):
@@ -134,6 +137,8 @@ class CandidateOut(msgspec.Struct, gc=False):
     shared_prefill_blocks: int
     credited_blocks: float
     cost: float
+    #: where its match came from: "events" (its KV events) or "approximate" (what was sent)
+    source: str
 
 
 class RouteOut(msgspec.Struct, omit_defaults=True, gc=False):

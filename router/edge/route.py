@@ -85,6 +85,7 @@ def _answer(
         if p is not None:
             placer.chose(d, p.index, "route")
     breakdowns: dict[int, dict[str, int]] = {}
+    approximate = state.index.approximate
     out = RouteOut(
         worker_id=c.key[0],
         dp_rank=c.key[1],
@@ -107,6 +108,7 @@ def _answer(
                 x.shared_prefill,
                 x.credited,
                 x.cost,
+                "approximate" if approximate(x.key) else "events",
             )
             for x in d.candidates
         ],

@@ -40,7 +40,13 @@ from typing import Any, Protocol
 import msgspec
 
 from router.errors import ConfigError, RouterError
-from router.fleet.pods import PodNotUsable, fetch_sources, pod_ready, worker_for_pod
+from router.fleet.pods import (
+    NoEventSource,
+    PodNotUsable,
+    fetch_sources,
+    pod_ready,
+    worker_for_pod,
+)
 from router.fleet.upstream import UpstreamPool
 from router.settings import DiscoverySettings, WorkerConfig
 
@@ -325,9 +331,16 @@ class KubernetesDiscovery:
     async def _describe(self, pod: Any, http: Any) -> WorkerConfig:
         s = self.settings
         base = worker_for_pod(pod, s)  # (with kv_event_sources: the HTTP port)
+        quiet = None
         if s.endpoints == "kv_event_sources":
-            base = worker_for_pod(pod, s, await fetch_sources(http, base.base_url, s.timeout_s))
+            try:
+                sources = await fetch_sources(http, base.base_url, s.timeout_s)
+            except NoEventSource as e:  # it serves, without events: it joins approximate
+                sources, quiet = [], f"publishes no KV events ({e}): routed approximately"
+            base = worker_for_pod(pod, s, sources)
         cfg, warnings = with_role(base, pod)
+        if quiet is not None:
+            warnings = [*warnings, quiet]
         name = cfg.id
         if warnings != self._notes.get(name, []):
             for w in warnings:

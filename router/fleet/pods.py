@@ -14,10 +14,11 @@ from typing import Any
 import msgspec
 
 from router.fleet.upstream import BodyTooLarge, UpstreamError, UpstreamPool
-from router.settings import DiscoverySettings, WorkerConfig
+from router.settings import EVENTS_NONE, DiscoverySettings, WorkerConfig
 
 __all__ = [
     "EventSource",
+    "NoEventSource",
     "PodNotUsable",
     "decode_sources",
     "fetch_sources",
@@ -32,6 +33,12 @@ _MAX_SOURCES_BYTES = 64 * 1024  # a /kv_event_sources answer is a few hundred by
 
 class PodNotUsable(Exception):
     """A ready pod whose worker cannot be described (yet): bad annotation, endpoints unreadable."""
+
+
+class NoEventSource(PodNotUsable):
+    """The worker answers but names no KV event source (``/kv_event_sources`` absent or
+    empty: an engine without events, vLLM started without ``--kv-events-config``): it joins
+    approximate (``events_endpoint: none``)."""
 
 
 class EventSource(msgspec.Struct):
@@ -97,7 +104,8 @@ def worker_for_pod(
     pod: Any, s: DiscoverySettings, sources: list[EventSource] | None = None
 ) -> WorkerConfig:
     """The worker a ready pod stands for; ``sources`` from its ``/kv_event_sources`` when
-    ``endpoints: kv_event_sources``. Raises :class:`PodNotUsable` naming what is wrong."""
+    ``endpoints: kv_event_sources`` (none: it publishes no events, as with the annotation
+    ``events-port: none``). Raises :class:`PodNotUsable` naming what is wrong."""
     ann: Mapping[str, str] = pod.metadata.annotations or {}
     pre = s.annotation_prefix
 
@@ -112,10 +120,12 @@ def worker_for_pod(
         dp_ranks = int(dp) if dp is not None else 1
     except ValueError as e:
         raise PodNotUsable(f"annotation {pre}dp-ranks={dp!r} is not an integer") from e
-    if sources is not None:
+    ev = get("events-port")
+    if sources == [] or (sources is None and ev is not None and ev.lower() == EVENTS_NONE):
+        events, replay = EVENTS_NONE, None  # no events: an approximate worker
+    elif sources is not None:
         events, replay, dp_ranks = _from_sources(sources, ip)
     else:
-        ev = get("events-port")
         events = f"tcp://{ip}:{_port(ev, pre + 'events-port') if ev is not None else s.events_port}"
         rp = get("replay-port")
         if rp is not None and rp.lower() == "none":
@@ -149,6 +159,8 @@ async def fetch_sources(http: UpstreamPool, base_url: str, timeout_s: float) -> 
         raise PodNotUsable(f"GET {url}: answer larger than 64 KiB") from e
     except UpstreamError as e:
         raise PodNotUsable(f"GET {url} failed: {type(e).__name__}: {e}") from e
+    if status == 404:
+        raise NoEventSource(f"GET {url} answered 404")
     if status != 200:
         raise PodNotUsable(f"GET {url} answered {status}")
     try:
@@ -167,7 +179,7 @@ def _from_sources(sources: list[EventSource], ip: str) -> tuple[str, str | None,
     """(events, replay, dp ranks) from vLLM's list. The router subscribes to rank r at the base
     port + r, so the ranks must be 0..n-1 on consecutive ports (vLLM's own layout)."""
     if not sources:
-        raise PodNotUsable("/kv_event_sources lists no source")
+        raise NoEventSource("/kv_event_sources lists no source")
     by_rank = sorted(sources, key=lambda x: x.data_parallel_rank)
     if [x.data_parallel_rank for x in by_rank] != list(range(len(by_rank))):
         raise PodNotUsable("/kv_event_sources ranks are not 0..n-1")

@@ -150,6 +150,8 @@ class Registry:
         """Took traffic lately but published no event for ``stale_events_s``: its index view
         is probably frozen (events misconfigured or lost), so placements on it are guesses."""
         limit = self.health.stale_events_s
+        if st.config.approximate:  # it publishes none: nothing to go stale
+            return False
         if st.last_routed_at is None or self.clock() - st.last_routed_at > limit:
             return False
         return since_last_event is None or since_last_event > limit

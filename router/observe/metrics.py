@@ -129,13 +129,20 @@ class StateCollector(Collector):
         evicted = CounterMetricFamily(
             "kvrouter_index_evicted_entries",
             "entries evicted, least recently used first, by the cap that did: index_cap "
-            "(max_index_entries) or rank_cap (the rank's own: kvrouter_index_rank_max_entries)",
+            "(max_index_entries) or rank_cap (the rank's own: kvrouter_index_rank_max_entries); "
+            "approximate: what the tree of a worker without events forgot at its capacity",
             labels=[*labels, "reason"],
         )
         rank_cap = GaugeMetricFamily(
             "kvrouter_index_rank_max_entries",
             "the rank's cap on its index entries (0: none): its KV capacity x "
             "index.capacity_margin (source=capacity), or index.max_rank_entries (default)",
+            labels=[*labels, "source"],
+        )
+        sources = GaugeMetricFamily(
+            "kvrouter_index_source",
+            "1 for where the rank's index entries come from: events (its KV events) or "
+            "approximate (what the router sent it: a worker without events)",
             labels=[*labels, "source"],
         )
         native = GaugeMetricFamily(
@@ -177,6 +184,9 @@ class StateCollector(Collector):
                     idx_counters[name].add_metric(lv, float(getattr(ix, name, 0)))
                 evicted.add_metric([*lv, "index_cap"], float(getattr(ix, "evicted_entries", 0)))
                 evicted.add_metric([*lv, "rank_cap"], float(getattr(ix, "rank_evicted_entries", 0)))
+                forgot = float(getattr(ix, "forgotten_entries", 0))
+                evicted.add_metric([*lv, "approximate"], forgot)
+                sources.add_metric([*lv, getattr(ix, "source", "events")], 1.0)
                 cap, source = getattr(ix, "max_entries", 0), getattr(ix, "cap_source", "")
                 rank_cap.add_metric([*lv, source or "none"], float(cap))
         yield healthy
@@ -191,6 +201,7 @@ class StateCollector(Collector):
         yield from idx_counters.values()
         yield evicted
         yield rank_cap
+        yield sources
         yield native
 
 

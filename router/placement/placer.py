@@ -100,6 +100,10 @@ class Placer:
         self._engines: dict[str, str] = {}
         #: per rank, the flights whose prefill has not been seen to end, by ticket id
         self._awaiting: dict[WorkerKey, dict[int, Flight]] = {}
+        #: writes what the router sent to an approximate rank (no events) into its tree in the
+        #: index: the index itself where this loop is its one writer (the replay, a benchmark);
+        #: the router hands it to the subscriber task (``Subscriber.record_sent``)
+        self.sent: Callable[[WorkerKey, Sequence[int]], object] = index.record_sent
         self.predicted = PredictedBlocks(
             config.predicted_ttl_s, max_blocks=config.predicted_max_blocks, clock=clock
         )
@@ -278,6 +282,9 @@ class Placer:
         # true ends after ttl_s even while requests for it keep coming)
         if slot >= 0 and c.matched_blocks < len(hashes):
             self.predicted.record(hashes[c.matched_blocks :], slot)
+        if slot >= 0 and hashes and self.index.approximate(c.key):
+            # no events will say what it stored: the whole prompt enters (or renews) its tree
+            self.sent(c.key, hashes)
         self.chose(d, i, kind, committed=True)
         self.listener.committed(t)
         return t
@@ -324,7 +331,13 @@ class Placer:
         # request with the same prompt may be building it). Each applied batch checks every
         # flight waiting on its rank: past _MAX_AWAITING (accounted routes a caller never sent,
         # say) a flight's prefill ends at its head or its end, as it did before the events did
-        if by_events and ticket.hashes and not self._built(ticket):
+        # (an approximate rank has no events to end it: its head or its end does)
+        if (
+            by_events
+            and ticket.hashes
+            and not self.index.approximate(ticket.key)
+            and not self._built(ticket)
+        ):
             awaiting = self._awaiting.setdefault(ticket.key, {})
             if len(awaiting) < _MAX_AWAITING:
                 f.awaiting = awaiting

@@ -25,7 +25,7 @@ from indexer.index import IndexError_, PrefixIndex
 from indexer.subscriber import Subscriber, WorkerEndpoint
 from router.errors import BadRequest, Conflict, NoHealthyWorker, NotFound
 from router.fleet.health import HealthChecker
-from router.fleet.pods import PodNotUsable, fetch_sources, sources_to_endpoints
+from router.fleet.pods import NoEventSource, PodNotUsable, fetch_sources, sources_to_endpoints
 from router.fleet.registry import Registry, WorkerState
 from router.fleet.upstream import UpstreamError, UpstreamPool
 from router.observe.metrics import (
@@ -40,7 +40,7 @@ from router.placement import PlacementSettings, Placer
 from router.runtime.memory import default_index_cap
 from router.runtime.replicas import PeerKey, ReplicaSync, WarmIndex, peer_key
 from router.runtime.tokenize import Tokenizer, byte_tokenizer_warning, make_tokenizer
-from router.settings import Settings, WorkerConfig
+from router.settings import EVENTS_NONE, Settings, WorkerConfig
 from router.types import WorkerKey
 
 __all__ = ["Runtime", "load_index", "snapshot_off_loop"]
@@ -141,6 +141,8 @@ class Runtime:
             batch_window=settings.subscriber.batch_window_ms / 1000,
             on_applied=self.placer.blocks_stored,  # (events end the prefills they show built)
         )
+        # what is sent to a worker without events enters its tree on the index's one writer
+        self.placer.sent = self.subscriber.record_sent
         if seqs:  # resume each worker rank after its snapshotted seq (replay closes the gap)
             self.subscriber.restore_seqs(seqs)
         self.prom.register(StateCollector(self._samples))  # (it reads the subscriber's stats)
@@ -176,7 +178,7 @@ class Runtime:
         assert cfg.events_endpoint is not None  # (read from the worker above when not given)
         ep = WorkerEndpoint(
             id=cfg.id,
-            events_endpoint=cfg.events_endpoint,
+            events_endpoint=None if cfg.approximate else cfg.events_endpoint,
             replay_endpoint=cfg.replay_endpoint,
             dp_ranks=cfg.dp_ranks,
             model=cfg.model,
@@ -186,6 +188,9 @@ class Runtime:
         except Exception as e:
             self.registry.remove(cfg.id)
             raise BadRequest(f"cannot subscribe to worker {cfg.id!r}: {e}") from e
+        if cfg.kv_blocks is not None:  # configured: it wins over what /metrics says
+            for key in st.keys:
+                self.subscriber.set_capacity(key, {"GPU": cfg.kv_blocks})
         return st
 
     async def _with_event_sources(self, cfg: WorkerConfig) -> WorkerConfig:
@@ -196,10 +201,19 @@ class Runtime:
         try:
             sources = await fetch_sources(self.upstream, cfg.base_url, timeout)
             events, replay, dp_ranks = sources_to_endpoints(sources, host)
+        except NoEventSource as e:  # it answers, without events: routed on what it was sent
+            log.warning(
+                "worker %s publishes no KV events (%s): its index entries are what the router "
+                "sends it (approximate); events=none says so and skips this check",
+                cfg.id,
+                e,
+            )
+            return msgspec.structs.replace(cfg, events_endpoint=EVENTS_NONE)
         except PodNotUsable as e:
             raise BadRequest(
                 f"worker {cfg.id!r}: {e}; give events=tcp://HOST:PORT for this worker (its KV "
-                "event publisher: vLLM's --kv-events-config endpoint), or start it first"
+                "event publisher: vLLM's --kv-events-config endpoint), events=none if it has "
+                "none, or start it first"
             ) from e
         log.info("worker %s publishes KV events on %s (replay %s)", cfg.id, events, replay)
         return msgspec.structs.replace(
@@ -217,7 +231,10 @@ class Runtime:
 
     def _capacity_learned(self, st: WorkerState) -> None:
         """A worker's KV capacity changed (the health checker's scrape): each rank's cap in the
-        index follows, set by the subscriber task, the index's only writer."""
+        index follows, set by the subscriber task, the index's only writer (a configured
+        ``kv_blocks`` wins)."""
+        if st.config.kv_blocks is not None:
+            return
         for key, cap in zip(st.keys, st.kv_capacity or ()):
             self.subscriber.set_capacity(key, cap)
 

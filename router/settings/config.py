@@ -22,9 +22,10 @@ from router.errors import config_check as _check
 from router.settings.epp import EppSettings
 from router.settings.k8s import KubernetesSettings
 from router.settings.keyfiles import read_key_files
-from router.settings.pd import ROLES, PdSettings
+from router.settings.pd import PdSettings
 from router.settings.replicas import ReplicaSettings
 from router.settings.scoring import ScoringSettings
+from router.settings.workers import WorkerConfig, parse_worker_spec
 
 __all__ = [
     "HealthSettings",
@@ -43,42 +44,6 @@ __all__ = [
 
 
 ENV_PREFIX = "KVROUTER_"
-_WORKER_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-
-
-class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """One inference worker: its OpenAI URL, its KV event endpoints and its data-parallel ranks."""
-
-    id: str
-    url: str
-    events_endpoint: str | None = None  # None: read from the worker's GET /kv_event_sources
-    replay_endpoint: str | None = None
-    dp_ranks: int = 1
-    pool: str | None = None
-    model: str = ""
-    #: prefill, decode or both (a whole request); docs/architecture.md §10
-    role: str = "both"
-    #: SGLang PD: the prefill worker's bootstrap port (its host is the URL's)
-    bootstrap_port: int | None = None
-
-    def __post_init__(self) -> None:
-        # ids reach response headers (x-kvrouter-worker), metric labels and URLs: a strict charset
-        ok = _WORKER_ID.fullmatch(self.id) is not None
-        _check(ok, "id", "must be 1-128 characters of A-Z a-z 0-9 . _ : -")
-        _check(self.url.startswith(("http://", "https://")), "url", "must be an http(s) URL")
-        for key in ("events_endpoint", "replay_endpoint"):
-            ep = getattr(self, key)
-            if ep is not None:
-                zmq_ok = ep.startswith(("tcp://", "ipc://", "inproc://"))
-                _check(zmq_ok, key, "must be a ZMQ endpoint (tcp://host:port)")
-        _check(1 <= self.dp_ranks <= 1024, "dp_ranks", "must be between 1 and 1024")
-        _check(self.role in ROLES, "role", f"must be one of {', '.join(ROLES)}")
-        bp = self.bootstrap_port
-        _check(bp is None or 1 <= bp <= 65535, "bootstrap_port", "must be between 1 and 65535")
-
-    @property
-    def base_url(self) -> str:
-        return self.url.rstrip("/")
 
 
 class ProxySettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -281,42 +246,6 @@ def _convert(raw: Mapping[str, Any]) -> Settings:
     except msgspec.ValidationError as e:
         key, problem = describe_validation_error(e)
         raise ConfigError(f"invalid config: {key}: {problem}") from e
-
-
-def parse_worker_spec(spec: str) -> dict[str, Any]:
-    """``id=w0,url=http://h:8001,events=tcp://h:5557[,replay=...][,dp=2][,pool=P][,model=M]
-    [,role=prefill|decode|both][,bootstrap=PORT]``."""
-    names = {
-        "id": "id",
-        "url": "url",
-        "events": "events_endpoint",
-        "replay": "replay_endpoint",
-        "dp": "dp_ranks",
-        "pool": "pool",
-        "model": "model",
-        "role": "role",
-        "bootstrap": "bootstrap_port",
-    }
-    out: dict[str, Any] = {}
-    for part in spec.split(","):
-        key, sep, value = part.partition("=")
-        key = key.strip()
-        if not sep or key not in names:
-            raise ConfigError(
-                f"invalid --worker {spec!r}: unknown item {part!r} (expected id=, url=, events=, "
-                "replay=, dp=, pool=, model=, role=, bootstrap=)"
-            )
-        if key in ("dp", "bootstrap"):
-            try:
-                out[names[key]] = int(value)
-            except ValueError as e:
-                raise ConfigError(f"invalid --worker {spec!r}: {key} must be an integer") from e
-        else:
-            out[names[key]] = value.strip()
-    for required in ("id", "url"):
-        if names[required] not in out:
-            raise ConfigError(f"invalid --worker {spec!r}: missing {required}=")
-    return out
 
 
 _STRING_KEYS = (

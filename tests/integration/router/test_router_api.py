@@ -138,8 +138,10 @@ async def test_workers_api_needs_admin_key(workers, router, http):
     assert "url" in err(
         await http.post(u + "/workers", json={**new, "url": "ftp://x"}, headers=auth), 400
     )
-    assert "events_endpoint" in err(
-        await http.post(u + "/workers", json={"id": "c", "url": "http://x"}, headers=auth), 422
+    # no events_endpoint: read from the worker's /kv_event_sources, as for a configured one;
+    # a worker nobody can reach is refused, naming what to give (issue 36: or events=none)
+    assert "events=none" in err(
+        await http.post(u + "/workers", json={"id": "c", "url": "http://x"}, headers=auth), 400
     )
     resp = await http.post(u + "/workers", json=new, headers=auth)
     assert resp.status_code == 201 and resp.json()["id"] == "b"

@@ -12,7 +12,15 @@ import pytest
 from aiohttp import web
 from lightkube.resources.core_v1 import Pod
 
-from router.fleet.pods import EventSource, PodNotUsable, fetch_sources, pod_ready, worker_for_pod
+from router.fleet.pods import (
+    EventSource,
+    NoEventSource,
+    PodNotUsable,
+    fetch_sources,
+    pod_ready,
+    sources_to_endpoints,
+    worker_for_pod,
+)
 from router.fleet.upstream import UpstreamPool
 from router.settings import DiscoverySettings
 
@@ -103,10 +111,22 @@ def test_kv_event_sources_wildcards_take_the_pod_ip_and_ranks_count() -> None:
     assert (w.events_endpoint, w.replay_endpoint) == ("tcp://10.9.9.9:7000", None)
 
 
+def test_a_pod_without_events_is_an_approximate_worker() -> None:
+    """No source listed, or the annotation ``events-port: none``: the worker publishes no KV
+    events and joins approximate (issue 36), its replay port ignored."""
+    for w in (
+        worker_for_pod(pod(annotations={"kvrouter.io/dp-ranks": "2"}), S, []),
+        worker_for_pod(pod(annotations={"kvrouter.io/events-port": "None"}), S),
+    ):
+        assert (w.events_endpoint, w.replay_endpoint, w.approximate) == ("none", None, True)
+    assert worker_for_pod(pod(annotations={"kvrouter.io/dp-ranks": "2"}), S, []).dp_ranks == 2
+    with pytest.raises(NoEventSource, match="no source"):
+        sources_to_endpoints([], "10.0.0.7")
+
+
 @pytest.mark.parametrize(
     ("sources", "why"),
     [
-        ([], "no source"),
         ([src(0, "tcp://*:5557"), src(2, "tcp://*:5559")], "0..n-1"),
         ([src(0, "tcp://*:5557"), src(1, "tcp://*:5600")], "port base \\+ r"),
         ([src(0, "tcp://*:5557", "tcp://*:6000"), src(1, "tcp://*:5558")], "some ranks only"),
