@@ -7,11 +7,14 @@ worker's reported KV capacity, a mixed fleet routes each kind on its own source,
 
 from __future__ import annotations
 
+import asyncio
+import signal
 from typing import Any
 
 import httpx
 from conftest import RouterHandle
 from router_fakeworker import FakeWorker
+from test_router_cli import LINE, _spawn
 
 from tests.waiting import wait_for
 
@@ -147,3 +150,36 @@ async def test_workers_registered_without_events_join_approximate(workers, route
         "late": "approximate",
         "bare": "approximate",
     }
+
+
+async def test_kvrouter_serve_with_only_workers_without_events_routes_by_prefix(
+    workers, http
+) -> None:
+    """The peers' approximate mode, as a real ``kvrouter serve`` process: no worker has
+    events, and a repeated prefix still goes back to the worker that served it."""
+    a, b = await workers("a"), await workers("b")
+    specs = [f"id={w.worker_id},url={w.url},events=none,kv_blocks=1000" for w in (a, b)]
+    args = [x for s in specs for x in ("--worker", s)]
+    proc = await _spawn("serve", "--port", "0", "--admin-key", "k", *args)
+    try:
+        assert proc.stdout is not None
+        m = LINE.search(await asyncio.wait_for(proc.stdout.readline(), 60))
+        assert m, "no listening line"
+        url = m.group(1).decode()
+        shared = text("p", 5)
+        first = None
+        for i in range(4):
+            resp = await http.post(url + "/v1/completions", json={"prompt": shared + f"|{i}"})
+            assert resp.status_code == 200, resp.text
+            first = first or resp.headers["x-kvrouter-worker"]
+            assert resp.headers["x-kvrouter-worker"] == first
+        holder = {"a": a, "b": b}[first]
+        assert len(holder.requests) == 4
+        # the last three hit the holder's own cache (its usage says so)
+        assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 5 * BS
+        auth = {"Authorization": "Bearer k"}
+        listed = (await http.get(url + "/workers", headers=auth)).json()["workers"]
+        assert {(w["source"], w["kv_blocks"]) for w in listed} == {("approximate", 1000)}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(proc.communicate(), 30)
