@@ -100,6 +100,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     v.add_argument("--event-delay-ms", type=float, default=5.0, help="events reach the index late")
     v.add_argument(
+        "--no-events",
+        type=int,
+        default=0,
+        metavar="K",
+        help="policy kvrouter (one router): K of the workers publish no KV events, routed on "
+        "what the router sent them (default 0)",
+    )
+    v.add_argument(
         "--sim-option",
         action="append",
         default=[],
@@ -246,6 +254,7 @@ def _run_virtual(args: argparse.Namespace, reqs: list[TraceRequest], names: list
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         event_delay_s=args.event_delay_ms / 1000,
+        no_events=max(0, min(args.no_events, args.workers)),
         sim_options=_sim_options(args.sim_option),
     )
     out = []

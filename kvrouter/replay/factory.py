@@ -48,8 +48,10 @@ def make_policy(
     settings: Settings,
     clock: Callable[[], float],
     replicas: RouterReplicas | None = None,
+    no_events: int = 0,
 ) -> Policy:
-    """``replicas``: policy ``kvrouter`` through several routers (:mod:`kvrouter.replay.replicas`)."""
+    """``replicas``: policy ``kvrouter`` through several routers (:mod:`kvrouter.replay.replicas`);
+    ``no_events``: for one router, its first that many workers publish no KV events."""
     if name == "random":
         return RandomPolicy(engines, seed)
     if name == "round_robin":
@@ -59,7 +61,7 @@ def make_policy(
     if name == "kvrouter":
         if replicas is not None and replicas.count > 1:
             return ReplicatedKvrouterPolicy(engines, settings, clock, replicas, seed)
-        return KvrouterPolicy(engines, settings, clock)
+        return KvrouterPolicy(engines, settings, clock, no_events)
     if name == "kvrouter-early-head":
         return KvrouterEarlyHeadPolicy(engines, settings, clock)
     if name == "cache_aware":

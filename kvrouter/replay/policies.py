@@ -44,7 +44,7 @@ from indexer.index import PrefixIndex
 from kvrouter.replay.trace import leading_run
 from router.fleet.registry import Registry
 from router.placement import PlacementSettings, Placer
-from router.settings import Settings, WorkerConfig
+from router.settings import EVENTS_NONE, Settings, WorkerConfig
 
 __all__ = [
     "CacheAwarePolicy",
@@ -134,8 +134,14 @@ class KvrouterPolicy(Policy):
     early_head = False  # the first byte at the first token, as the proxy sees it
 
     def __init__(
-        self, engines: Sequence[LLMEngine], settings: Settings, clock: Callable[[], float]
+        self,
+        engines: Sequence[LLMEngine],
+        settings: Settings,
+        clock: Callable[[], float],
+        no_events: int = 0,
     ) -> None:
+        """``no_events``: the first that many workers publish no events (approximate ranks,
+        fed by what the placer sends them: ``Placer.sent`` writes this index itself)."""
         super().__init__(engines)
         if settings.scoring.seed is None:  # a tempered first choice must replay the same way
             settings = msgspec.structs.replace(
@@ -150,12 +156,13 @@ class KvrouterPolicy(Policy):
         self.index.set_rank_caps(settings.index.max_rank_entries, settings.index.capacity_margin)
         self.placer = Placer(PlacementSettings.of(settings), self.index, fleet, clock=clock)
         self.keys = []
+        self.deaf = set(range(no_events))
         for w, engine in enumerate(engines):
-            cfg = WorkerConfig(
-                id=f"w{w}", url=f"http://w{w}.invalid", events_endpoint="tcp://127.0.0.1:9"
-            )  # never dialled
+            events = EVENTS_NONE if w in self.deaf else "tcp://127.0.0.1:9"  # never dialled
+            cfg = WorkerConfig(id=f"w{w}", url=f"http://w{w}.invalid", events_endpoint=events)
             fleet.add(cfg)
             self.index.add_worker(cfg.id, 0, model=cfg.model)
+            self.index.set_approximate((cfg.id, 0), cfg.approximate)
             self.index.set_rank_capacity((cfg.id, 0), {"GPU": engine.bm.num_blocks})
             self.keys.append((cfg.id, 0))
         self._slot = {k: w for w, k in enumerate(self.keys)}
@@ -179,6 +186,8 @@ class KvrouterPolicy(Policy):
         handle[1].done("200")
 
     def events(self, worker: int, events: Sequence[Event], now: float) -> None:
+        if worker in self.deaf:  # it publishes none: its tree is what was sent there
+            return
         key, apply = self.keys[worker], self.index.apply_event
         for ev in events:
             apply(key, ev)

@@ -54,6 +54,8 @@ class VirtualFleet:
     max_num_seqs: int = 64
     #: how long after a step its KV events reach the router (publish + network + apply)
     event_delay_s: float = 0.005
+    #: the first that many workers publish no KV events (the router's approximate ranks)
+    no_events: int = 0
     #: sim runner timing overrides (``SIM_DEFAULTS`` names)
     sim_options: dict[str, float] = field(default_factory=dict)
 
@@ -166,6 +168,7 @@ class _Sim:
             settings=settings or Settings(block_size=fleet.block_size),
             clock=self.clock,
             replicas=replicas,
+            no_events=fleet.no_events,
         )
         self.outcomes = [LiveOutcome(i) for i in range(len(requests))]
         self.handles: dict[int, object] = {}
