@@ -63,10 +63,12 @@ def key_file(tmp: Path, secret: str = SECRET, name: str = "peer-key") -> str:
 
 
 def raw_pub(
-    ctx: zmq.Context[Any], *, curve: tuple[bytes, bytes] | None = None
+    ctx: zmq.Context[Any], *, curve: tuple[bytes, bytes] | None = None, xpub: bool = False
 ) -> tuple[zmq.Socket[bytes], str]:
-    """A PUB bound on a free loopback port (a CURVE server of ``curve`` = (public, secret))."""
-    s: zmq.Socket[bytes] = ctx.socket(zmq.PUB, socket_class=zmq.Socket)
+    """A PUB bound on a free loopback port (a CURVE server of ``curve`` = (public, secret)); an
+    XPUB with ``xpub``, which hears each subscription (:func:`subscribed`): from then on
+    nothing it sends is lost to the subscriber's late join."""
+    s: zmq.Socket[bytes] = ctx.socket(zmq.XPUB if xpub else zmq.PUB, socket_class=zmq.Socket)
     s.setsockopt(zmq.LINGER, 0)
     if curve is not None:
         s.curve_server = True
@@ -86,6 +88,14 @@ def raw_sub(
         s.curve_publickey, s.curve_secretkey, s.curve_serverkey = curve
     s.connect(ep)
     return s
+
+
+def subscribed(xpub: zmq.Socket[bytes]) -> bool:
+    """Whether a subscriber's subscription reached ``xpub`` (read now, without blocking)."""
+    try:
+        return xpub.recv(zmq.NOBLOCK)[:1] == b"\x01"
+    except zmq.Again:
+        return False
 
 
 def drain(sock: zmq.Socket[bytes]) -> int:
