@@ -52,11 +52,15 @@ log = logging.getLogger("kvrouter.replicas")
 #: messages dropped by the receiver or the sender, by reason (the events a message holds are
 #: checked by RemoteTickets, which counts its own: router.placement.remote.DROP_REASONS);
 #: ``spoofed``: under an origin bound to another address (origins.py); ``oversized``: more hashes
-#: than a publisher sends (2 x max_hashes); ``cut_off``: connections lost (links.py)
+#: than a publisher sends (2 x max_hashes); ``error``: applying it raised; ``cut_off``:
+#: connections lost (links.py)
 SYNC_DROP_REASONS = (
-    "malformed", "version", "block_size", "stale", "spoofed", "oversized", "send_failed",
-    "cut_off",
+    "malformed", "version", "block_size", "stale", "spoofed", "oversized", "error",
+    "send_failed", "cut_off",
 )  # fmt: skip
+#: a message whose application raised (``error``: a defect here, never the peer's to cause) is
+#: logged with its traceback at most this often; the task goes on
+ERROR_LOG_EVERY_S = 60.0
 
 
 class ReplicaSync:
@@ -87,6 +91,7 @@ class ReplicaSync:
         key = peer_key(settings)  # (read now: a bad file fails the start, not the first peer)
         self.curve = Curve(key) if key is not None else None
         self._drain = Drain(settings.drain_budget_ms / 1000, settings.drain_max_hashes)
+        self._next_error_log = 0.0
         self._pending: list[RemoteEvent] = []
         self._pending_hashes = 0
         self._flush_at: asyncio.Handle | None = None
@@ -251,6 +256,7 @@ class ReplicaSync:
         self._fd: int = sub.getsockopt(zmq.FD)  # type: ignore[assignment]
         self._loop.add_reader(self._fd, self._wakeup)
         self._task = asyncio.create_task(self._run(), name="replica-sync")
+        self._task.add_done_callback(_ended)
         if self._pods is not None:
             assert s.sync_bind is not None  # (the settings require it with discovery)
             follow = follow_peers(self._pods, sync_port(s.sync_bind), self.set_peers)
@@ -317,7 +323,14 @@ class ReplicaSync:
                 addr = parts[0].get("Peer-Address")
             except zmq.ZMQError:  # (a transport without one)
                 addr = ""
-            hashes = self.on_message([p.buffer for p in parts], now, str(addr))
+            try:
+                hashes = self.on_message([p.buffer for p in parts], now, str(addr))
+            except Exception:  # a defect must not end sync: count it, say it, read on
+                hashes = 0
+                self.dropped["error"] += 1
+                if now >= self._next_error_log:
+                    self._next_error_log = now + ERROR_LOG_EVERY_S
+                    log.exception("replica sync: applying a peer's message failed (dropped)")
             if not drain.spend(hashes):
                 return True
         return True
@@ -368,3 +381,9 @@ class ReplicaSync:
             ended=dict(remote.ended),
             handshake_failed=dict(links.handshake_failed) if links else {},
         )
+
+
+def _ended(task: asyncio.Task[None]) -> None:
+    """The sync task ends only when cancelled; anything else is said, never swallowed."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("replica sync stopped: peers are no longer heard", exc_info=task.exception())

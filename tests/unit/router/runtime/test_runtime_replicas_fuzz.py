@@ -10,13 +10,15 @@ from __future__ import annotations
 import os
 import random
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import msgspec
+import pytest
 import zmq
 from sync_peers import BS, raw_pub, subscribed, sync
 
+from router.placement import RemoteEvent
 from router.runtime.replicas.origins import MAX_PEERS
 from router.runtime.replicas.sync import SYNC_DROP_REASONS
 from router.runtime.replicas.wire import MAX_EVENTS, VERSION
@@ -155,3 +157,33 @@ async def test_fuzzed_frames_never_kill_sync_and_each_is_counted(tmp_path: Path)
         ctx.destroy(linger=0)
         await a.aclose()
         await good.aclose()
+
+
+async def test_a_defect_in_applying_is_counted_and_sync_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No frame found by the fuzzer makes applying raise; should a defect do so, the message is
+    dropped (``error``), its traceback logged, and the task reads on (before, it died silently).
+    The defect is injected: RemoteTickets.apply raises once."""
+    a = sync(heartbeat_s=0.05)
+    ctx: zmq.Context = zmq.Context()
+    pub, ep = raw_pub(ctx, xpub=True)
+    await a.start()
+    real = a.placer.remote.apply
+
+    def defect(origin: str, events: Sequence[RemoteEvent]) -> None:
+        a.placer.remote.apply = real  # type: ignore[method-assign]
+        raise RuntimeError("an injected defect")
+
+    try:
+        a.set_peers([ep])
+        await wait_for(lambda: subscribed(pub), 10, "a subscribed")
+        a.placer.remote.apply = defect  # type: ignore[method-assign]
+        pub.send(enc([VERSION, "p", 0, BS, [[1, 1, "a", 0, [1, 2], 2.0, 0]]]))
+        pub.send(enc([VERSION, "p", 1, BS, [[1, 2, "a", 0, [3, 4], 2.0, 0]]]))
+        await wait_for(lambda: len(a.placer.remote) == 1, 10, "the next message applied")
+        assert a.dropped["error"] == 1 and a._task is not None and not a._task.done()
+        assert "applying a peer's message failed" in caplog.text and "injected" in caplog.text
+    finally:
+        ctx.destroy(linger=0)
+        await a.aclose()
