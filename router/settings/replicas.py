@@ -66,7 +66,7 @@ class ReplicaSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     ticket_ttl_s: float = 120.0
     max_remote_tickets: int = 100_000
     max_hashes: int = 8192
-    max_message_bytes: int = 1 << 20
+    max_message_bytes: int = 1 << 18
     heartbeat_s: float = 1.0
     peer_timeout_s: float = 5.0
     drain_budget_ms: float = 5.0

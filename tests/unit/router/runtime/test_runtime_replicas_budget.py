@@ -91,15 +91,18 @@ async def test_a_message_with_more_hashes_than_a_publisher_sends_is_dropped() ->
 
 
 async def test_the_queues_hold_max_queue_mib() -> None:
-    a = sync(sync_bind="tcp://127.0.0.1:0", max_queue_mib=8.0, max_message_bytes=1 << 20)
-    await a.start()
-    try:
-        assert a._sub is not None and a._pub is not None
-        assert a._sub.getsockopt(zmq.RCVHWM) == 8  # 8 MiB of 1 MiB messages (was 10,000)
-        sent = a.settings.sent_message_bytes  # 229,376 B: the largest this replica publishes
-        assert a._pub.getsockopt(zmq.SNDHWM) == 8 * MIB // sent
-    finally:
-        await a.aclose()
+    for queue, message, rcvhwm in ((64.0, None, 256), (8.0, 1 << 20, 8)):
+        extra = {} if message is None else {"max_message_bytes": message}
+        a = sync(sync_bind="tcp://127.0.0.1:0", max_queue_mib=queue, **extra)  # type: ignore[arg-type]
+        await a.start()
+        try:
+            assert a._sub is not None and a._pub is not None
+            # the defaults: 64 MiB of 256 KiB messages (was 10,000 messages of up to 1 MiB)
+            assert a._sub.getsockopt(zmq.RCVHWM) == rcvhwm
+            sent = a.settings.sent_message_bytes  # 229,376 B: the largest this replica publishes
+            assert a._pub.getsockopt(zmq.SNDHWM) == int(queue * MIB) // sent
+        finally:
+            await a.aclose()
 
 
 async def test_a_flood_of_heavy_messages_does_not_hold_the_loop() -> None:

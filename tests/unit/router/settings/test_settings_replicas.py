@@ -70,7 +70,7 @@ def test_sync_is_off_by_default_and_on_with_any_of_its_keys() -> None:
             {"replicas": {"max_peer_state_mib": 64, "max_remote_state_mib": 32}},
             "replicas.max_remote_state_mib",
         ),
-        ({"replicas": {"max_queue_mib": 0.5}}, "replicas.max_queue_mib"),  # < 1 MiB message
+        ({"replicas": {"max_queue_mib": 0.2}}, "replicas.max_queue_mib"),  # < a 256 KiB message
     ],
 )
 def test_bad_values_name_their_key(overrides: dict, key: str) -> None:
