@@ -38,7 +38,7 @@ from router.placement import Ended, FirstToken, Placed, Placer, RemoteEvent, Tic
 from router.runtime.replicas.budget import Drain, queue_hwm
 from router.runtime.replicas.curve import Curve
 from router.runtime.replicas.errors import SyncBindError
-from router.runtime.replicas.links import Links
+from router.runtime.replicas.links import WARN_EVERY_S, Links
 from router.runtime.replicas.origins import Origins, Seq
 from router.runtime.replicas.peerkey import peer_key
 from router.runtime.replicas.peers import follow_peers, sync_port
@@ -52,15 +52,12 @@ log = logging.getLogger("kvrouter.replicas")
 #: messages dropped by the receiver or the sender, by reason (the events a message holds are
 #: checked by RemoteTickets, which counts its own: router.placement.remote.DROP_REASONS);
 #: ``spoofed``: under an origin bound to another address (origins.py); ``oversized``: more hashes
-#: than a publisher sends (2 x max_hashes); ``error``: applying it raised; ``cut_off``:
-#: connections lost (links.py)
+#: than a publisher sends (2 x max_hashes); ``error``: applying it raised (a defect here, never
+#: the peer's to cause: logged, and the task goes on); ``cut_off``: connections lost (links.py)
 SYNC_DROP_REASONS = (
     "malformed", "version", "block_size", "stale", "spoofed", "oversized", "error",
     "send_failed", "cut_off",
 )  # fmt: skip
-#: a message whose application raised (``error``: a defect here, never the peer's to cause) is
-#: logged with its traceback at most this often; the task goes on
-ERROR_LOG_EVERY_S = 60.0
 
 
 class ReplicaSync:
@@ -91,7 +88,7 @@ class ReplicaSync:
         key = peer_key(settings)  # (read now: a bad file fails the start, not the first peer)
         self.curve = Curve(key) if key is not None else None
         self._drain = Drain(settings.drain_budget_ms / 1000, settings.drain_max_hashes)
-        self._next_error_log = 0.0
+        self._next_warn: dict[str, float] = {}  # per kind of warning: when to warn again
         self._pending: list[RemoteEvent] = []
         self._pending_hashes = 0
         self._flush_at: asyncio.Handle | None = None
@@ -184,18 +181,21 @@ class ReplicaSync:
             self.dropped[verdict.value] += 1
             return 0
         if verdict is Seq.NEW:
-            if evicted is not None:
+            if evicted is None:
+                log.info("replica sync: peer %s joined (seq %d)", m.origin, m.seq)
+            else:
                 n = remote.drop_origin(evicted)
-                log.warning(
+                self._warn(
+                    "evicted",
                     "replica sync: %d peers heard: the one silent longest, %s, makes room for "
-                    "%s (%d of its tickets ended)", len(self.origins), evicted, m.origin, n
+                    "%s (%d of its tickets ended)", len(self.origins), evicted, m.origin, n,
                 )  # fmt: skip
-            log.info("replica sync: peer %s joined (seq %d)", m.origin, m.seq)
             self._relane()
         elif verdict is Seq.RESET:
-            log.warning(
+            self._warn(
+                "reset",
                 "replica sync: peer %s's seq jumped to %d: taken as a reset (a replayed or "
-                "spoofed origin?)", m.origin, m.seq
+                "spoofed origin?)", m.origin, m.seq,
             )  # fmt: skip
             remote.gap(m.origin)
         elif verdict is Seq.GAP:  # lost: an end among them, maybe (before this one's events)
@@ -204,6 +204,15 @@ class ReplicaSync:
         if m.events:
             remote.apply(m.origin, m.events)
         return hashes
+
+    def _warn(self, kind: str, msg: str, *args: object, exc_info: bool = False) -> None:
+        """A warning a flood could repeat per message: at most once per ``WARN_EVERY_S`` per
+        kind (at debug between; the counters have every one)."""
+        now = time.monotonic()
+        warn = now >= self._next_warn.get(kind, 0.0)
+        if warn:
+            self._next_warn[kind] = now + WARN_EVERY_S
+        log.log(logging.WARNING if warn else logging.DEBUG, msg, *args, exc_info=exc_info)
 
     def check_peers(self, now: float) -> None:
         """End the tickets of peers silent for ``peer_timeout_s`` (gone, or cut off)."""
@@ -328,9 +337,8 @@ class ReplicaSync:
             except Exception:  # a defect must not end sync: count it, say it, read on
                 hashes = 0
                 self.dropped["error"] += 1
-                if now >= self._next_error_log:
-                    self._next_error_log = now + ERROR_LOG_EVERY_S
-                    log.exception("replica sync: applying a peer's message failed (dropped)")
+                self._warn("error", "replica sync: applying a peer's message failed (dropped)",
+                           exc_info=True)  # fmt: skip
             if not drain.spend(hashes):
                 return True
         return True
