@@ -52,7 +52,7 @@ class Links:
         self.connected: set[str] = set()
         self.cut_off = 0
         self.handshake_failed = dict.fromkeys(HANDSHAKE_REASONS, 0)
-        self._failing: set[str] = set()  # peers whose last handshake failed
+        self.failing: set[str] = set()  #: peers whose last handshake failed
         self._next_warn: dict[str, float] = {}  # per endpoint and reason: when to warn again
         self._sub_mon: zmq.Socket[bytes] = sub.get_monitor_socket(_SUB_EVENTS)
         self._pub_mon = pub.get_monitor_socket(_PUB_EVENTS) if pub is not None else None
@@ -76,7 +76,7 @@ class Links:
             with contextlib.suppress(zmq.ZMQError):
                 sub.disconnect(ep)
             self.connected.discard(ep)
-            self._failing.discard(ep)
+            self.failing.discard(ep)
             for k in [k for k in self._next_warn if k.startswith(f"peer {ep}:")]:
                 del self._next_warn[k]
 
@@ -93,7 +93,7 @@ class Links:
                 continue
             event, value, ep = ev
             if event == zmq.EVENT_DISCONNECTED:
-                if ep not in self._failing:  # (after a failed handshake: counted as that)
+                if ep not in self.failing:  # (after a failed handshake: counted as that)
                     self.cut_off += 1
                     log.warning("replica sync: connection to peer %s lost: dialling it again", ep)
                 self._redial(ep)
@@ -103,13 +103,13 @@ class Links:
     def _handshake(self, where: str, event: int, value: int, who: str) -> None:
         reason = handshake_failure(event, value)
         if reason is None:  # succeeded
-            if who == "peer" and where in self._failing:
-                self._failing.discard(where)
+            if who == "peer" and where in self.failing:
+                self.failing.discard(where)
                 log.info("replica sync: handshake with %s %s succeeded", who, where)
             return
         self.handshake_failed[reason] += 1
         if who == "peer":
-            self._failing.add(where)
+            self.failing.add(where)
         key = f"{who} {where}:{reason}"
         now = time.monotonic()
         level = logging.WARNING if now >= self._next_warn.get(key, 0.0) else logging.DEBUG

@@ -63,7 +63,8 @@ async def test_a_subscriber_without_the_key_hears_nothing(
 
         def refused() -> bool:
             f = hf().handshake_failed
-            return f["mechanism"] >= 1 and f["auth"] >= 1 and f["crypto"] >= 1
+            # (the plain one: a mechanism mismatch, or, when it hangs up first, no detail)
+            return f["mechanism"] + f["other"] >= 1 and f["auth"] >= 1 and f["crypto"] >= 1
 
         await wait_for(refused, 10, "the three strangers refused at the handshake")
         seen = b.received
@@ -71,7 +72,7 @@ async def test_a_subscriber_without_the_key_hears_nothing(
         assert {k: drain(s) for k, s in strangers.items()} == dict.fromkeys(strangers, 0)
         text = caplog.text
         assert "handshake with a subscriber on tcp://127.0.0.1:" in text
-        for reason in ("auth", "crypto", "mechanism"):
+        for reason in ("auth", "crypto"):
             assert f"failed ({reason})" in text
     finally:
         ctx.destroy(linger=0)
@@ -102,14 +103,16 @@ async def test_a_publisher_without_the_key_cannot_inject(
             plain.send(msg(seq, ev, origin="plain")[0])
             other.send(msg(seq, ev, origin="other")[0])
             seq += 1
-            f = a.stats().handshake_failed
-            return f["mechanism"] >= 1 and f["crypto"] + f["other"] >= 1 and a.stats().peers
+            assert a.links is not None
+            return {plain_ep, other_ep} <= a.links.failing and a.stats().peers
 
         await wait_for(injected, 10, "both refused and the keyed peer heard")
         assert set(a.origins) == {good.origin}
         st = a.stats()
         assert st.remote_tickets == 0 and a.placer.load.get(("a", 0)) is None
-        assert f"handshake with a peer on {plain_ep} failed (mechanism)" in caplog.text
+        assert sum(st.handshake_failed.values()) >= 2
+        for ep in (plain_ep, other_ep):  # (why: mechanism, crypto, or no detail: libzmq's timing)
+            assert f"handshake with a peer on {ep} failed (" in caplog.text
     finally:
         ctx.destroy(linger=0)
         await a.aclose()
