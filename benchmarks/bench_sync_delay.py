@@ -4,8 +4,8 @@ well below one; ``docs/replay.md`` "Router replicas" measures the rest in virtua
 
 Run (about 20 s; nothing else should be running):
 
-    python benchmarks/bench_sync_delay.py
-    python benchmarks/bench_sync_delay.py --rounds 500 --transport ipc
+    python benchmarks/bench_sync_delay.py                 # tcp, CURVE (a peer key), then none
+    python benchmarks/bench_sync_delay.py --rounds 500 --transport ipc --auth key
 
 What runs, all real processes on 127.0.0.1, every HTTP port bound 0 and read back:
 
@@ -15,6 +15,10 @@ What runs, all real processes on 127.0.0.1, every HTTP port bound 0 and read bac
   handed out and this process released just before, the one port here that is not bound 0 by its
   owner, as a pod's fixed sync port would be) or ``ipc`` (a socket file in a private directory),
   each the other's ``replicas.peers``; both ready and each hearing the other before measuring.
+  ``--auth key`` gives both the same ``replicas.peer_key_file`` (sync runs CURVE: authenticated
+  and encrypted, as deployed), ``none`` sets ``trusted_network`` (ZMQ's NULL mechanism);
+  ``both`` (the default) measures one pair of each, so CURVE's added delay reads off the two
+  tables.
 
 Per round: a new 64-block prompt is placed on A with ``POST /route {"account": true}`` (a ticket
 that counts until released), and from the moment A's answer is read, B's ``POST /route`` for the
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import socket
 import sys
 import time
@@ -77,7 +82,7 @@ def until(c: Client, body: bytes, seen: Any) -> tuple[float, bool, list[float]]:
             raise SystemExit("replica B never showed replica A's ticket")
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace, auth: str) -> dict[str, Any]:
     import yaml
 
     from kvrouter.up import ROUTER_READY, answers_ok, router_argv, wait_until
@@ -88,12 +93,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             eps = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
         else:
             eps = [f"ipc://{kids.tmp}/{name}.sock" for name in ("a", "b")]
+        trust: dict[str, Any] = {"trusted_network": True}
+        if auth == "key":
+            key = kids.tmp / "peer-key"
+            key.write_text(secrets.token_hex(32))
+            trust = {"peer_key_file": str(key)}
         urls = []
         for i, name in enumerate(("a", "b")):
             cfg = kids.tmp / f"{name}.yaml"
-            cfg.write_text(
-                yaml.safe_dump({"replicas": {"sync_bind": eps[i], "peers": [eps[1 - i]]}})
-            )
+            replicas = {"sync_bind": eps[i], "peers": [eps[1 - i]], **trust}
+            cfg.write_text(yaml.safe_dump({"replicas": replicas}))
             argv = [*router_argv([f"id=up,url={upstream},events={events}"], block_size=BS)]
             argv += ["--config", str(cfg), "--log-level", "warning"]
             r = kids.spawn(f"router-{name}", argv)
@@ -134,6 +143,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         p, e = stats(placed), stats(ended)
         return {
             "transport": args.transport,
+            "auth": "CURVE (peer key)" if auth == "key" else "none (trusted_network)",
             "rounds": n,
             "placed_p50_us": p["p50"] * 1e6,
             "placed_p99_us": p["p99"] * 1e6,
@@ -150,9 +160,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=300, help="measured placements")
     ap.add_argument("--warmup", type=int, default=30, help="unmeasured placements first")
     ap.add_argument("--transport", choices=["tcp", "ipc"], default="tcp")
+    ap.add_argument("--auth", choices=["key", "none", "both"], default="both")
     args = ap.parse_args()
-    r = run(args)
-    print(f"replica sync over {r['transport']}, {r['rounds']} placements on A, each watched from B")
+    for auth in ("key", "none") if args.auth == "both" else (args.auth,):
+        report(run(args, auth))
+
+
+def report(r: dict[str, Any]) -> None:
+    print(
+        f"replica sync over {r['transport']}, authentication {r['auth']}: {r['rounds']} "
+        "placements on A, each watched from B"
+    )
     print("| event | p50 us | p99 us | B's first ask already showed it |")
     print("|---|---|---|---|")
     for ev in ("placed", "ended"):

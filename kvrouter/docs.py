@@ -166,7 +166,13 @@ def metric_rows() -> list[tuple[str, str, str, str]]:
     metrics = RouterMetrics(registry)
     registry.register(StateCollector(lambda: [_sample()]))
     register_process_metrics(registry)
-    replica = ReplicaStats("0123456789abcdef", "0", dropped={"malformed": 0}, ended={"ended": 0})
+    replica = ReplicaStats(
+        "0123456789abcdef",
+        "0",
+        dropped={"malformed": 0},
+        ended={"ended": 0},
+        handshake_failed={"auth": 0},
+    )
     registry.register(ReplicaCollector(lambda: replica))
     registry.register(SnapshotCollector(dict))
     # (families kept in a part of RouterMetrics, as metrics.pd and metrics.epp, too)

@@ -22,14 +22,22 @@ class ReplicaStats:
     sent: int = 0
     received: int = 0
     gaps: int = 0
+    #: messages whose seq was far from their origin's last (a reset, replayed or spoofed)
+    resets: int = 0
     peers: int = 0
+    #: peers dropped from a full table to make room for a new one
+    peers_evicted: int = 0
     #: this replica's lane among the replicas it hears (0 alone)
     lane: int = 0
     remote_tickets: int = 0
+    #: bytes the remote tickets count against replicas.max_remote_state_mib
+    remote_state_bytes: int = 0
     #: sync messages or events dropped, by reason
     dropped: dict[str, int] = dataclasses.field(default_factory=dict)
     #: remote tickets ended, by reason
     ended: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: sync handshakes (CURVE) that failed, by reason
+    handshake_failed: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 class ReplicaCollector(Collector):
@@ -50,6 +58,18 @@ class ReplicaCollector(Collector):
             ("sent", "replica sync messages published (heartbeats included)", s.sent),
             ("received", "replica sync messages from peers applied", s.received),
             ("gaps", "replica sync messages a peer published that never arrived", s.gaps),
+            (
+                "resets",
+                "replica sync messages whose seq was far from their origin's last: applied, and "
+                "the origin judged from them on (a replayed stream or a spoofed origin)",
+                s.resets,
+            ),
+            (
+                "peers_evicted",
+                "peers dropped from a full peer table (1024) to make room for a new origin: the "
+                "one silent longest, its tickets ended",
+                s.peers_evicted,
+            ),
         ):
             c = CounterMetricFamily(f"kvrouter_replica_sync_{name}", doc)
             c.add_metric([], value)
@@ -65,14 +85,31 @@ class ReplicaCollector(Collector):
         ended = CounterMetricFamily(
             "kvrouter_replica_remote_tickets_ended",
             "peers' tickets ended here, by reason (ended by their owner, expired by TTL, evicted "
-            "past replicas.max_remote_tickets, peer_lost, worker_removed)",
+            "past replicas.max_remote_tickets, over_budget past max_peer_state_mib or "
+            "max_remote_state_mib, peer_lost, worker_removed)",
             labels=["reason"],
         )
         for reason, n in sorted(s.ended.items()):
             ended.add_metric([reason], n)
         yield ended
+        hs = CounterMetricFamily(
+            "kvrouter_replica_sync_handshakes_failed",
+            "replica sync connections refused at the CURVE handshake, by reason: auth (a "
+            "subscriber's key is not the peer key), crypto (a peer holds another peer key), "
+            "mechanism (one side has no peer key), other",
+            labels=["reason"],
+        )
+        for reason, n in sorted(s.handshake_failed.items()):
+            hs.add_metric([reason], n)
+        yield hs
         for name, doc, v in (
             ("kvrouter_replica_remote_tickets", "peers' tickets live here", s.remote_tickets),
+            (
+                "kvrouter_replica_remote_state_bytes",
+                "bytes peers' tickets count here against replicas.max_remote_state_mib (256 B a "
+                "hash, 512 B a ticket: the worst case)",
+                s.remote_state_bytes,
+            ),
             ("kvrouter_replica_peers", "peer replicas heard within peer_timeout_s", s.peers),
             (
                 "kvrouter_replica_lane",

@@ -31,6 +31,8 @@ class PlacementSettings(msgspec.Struct, frozen=True):
     ticket_ttl_s: float = 120.0
     max_remote_tickets: int = 100_000
     max_hashes: int = 8192
+    max_peer_state_bytes: int = 128 << 20
+    max_remote_state_bytes: int = 512 << 20
     #: requests in flight through the doors at most (``proxy.max_inflight``)
     max_inflight: int = 1024
     pd: PdSettings = msgspec.field(default_factory=PdSettings)
@@ -58,6 +60,8 @@ class PlacementSettings(msgspec.Struct, frozen=True):
             ticket_ttl_s=rs.ticket_ttl_s,
             max_remote_tickets=rs.max_remote_tickets,
             max_hashes=rs.max_hashes,
+            max_peer_state_bytes=int(rs.max_peer_state_mib * (1 << 20)),
+            max_remote_state_bytes=int(rs.max_remote_state_mib * (1 << 20)),
             max_inflight=settings.proxy.max_inflight,
             pd=settings.pd,
         )

@@ -116,6 +116,8 @@ class Placer:
             ttl_s=config.ticket_ttl_s,
             max_tickets=config.max_remote_tickets,
             max_hashes=config.max_hashes,
+            max_origin_bytes=config.max_peer_state_bytes,
+            max_bytes=config.max_remote_state_bytes,
             clock=clock,
         )
 

@@ -18,8 +18,11 @@ lost where a message from its origin was: the glue sees that as a gap in the ori
 numbers and says so (``gap``), and from then on the tickets that origin had placed before it end
 ``ttl_s`` after they started (or were last renewed), by ``expire`` from the placer's housekeeping.
 A ticket no gap has exposed lives as long as its request, however long it generates. At most
-``max_tickets`` live at once: past it the oldest ends (counted). Nothing here does I/O or reads a
-clock of its own, so ``kvrouter replay`` can apply the same events on its simulated clock, with
+``max_tickets`` live at once: past it the oldest ends (counted). Remote state is budgeted in
+bytes too (:data:`HASH_BYTES` a hash, :data:`TICKET_BYTES` a ticket: the worst case measured):
+past ``max_origin_bytes`` an origin's own oldest tickets end, past ``max_bytes`` all origins'
+oldest (both counted ``over_budget``), so one peer cannot fill the replica's memory, nor all
+of them together. Nothing here does I/O or reads a clock of its own, so ``kvrouter replay`` can apply the same events on its simulated clock, with
 a delay of its choice.
 """
 
@@ -37,6 +40,8 @@ from router.placement.predict import PredictedBlocks
 from router.types import WorkerKey
 
 __all__ = [
+    "HASH_BYTES",
+    "TICKET_BYTES",
     "Ended",
     "EventLog",
     "FirstToken",
@@ -44,6 +49,7 @@ __all__ = [
     "RemoteEvent",
     "RemoteTickets",
     "placed_event",
+    "ticket_bytes",
 ]
 
 _U63 = msgspec.Meta(ge=0, le=(1 << 63) - 1)
@@ -113,17 +119,29 @@ class EventLog:
         return out
 
 
-#: why a remote ticket ended: its owner said so, its TTL, past max_tickets, its origin went
-#: silent, its worker left
-END_REASONS = ("ended", "expired", "evicted", "peer_lost", "worker_removed")
+#: why a remote ticket ended: its owner said so, its TTL, past max_tickets, past a byte budget
+#: (its origin's or all origins'), its origin went silent, its worker left
+END_REASONS = ("ended", "expired", "evicted", "over_budget", "peer_lost", "worker_removed")
 #: why an event was dropped: more hashes than max_hashes or ``matched`` past them, a rank this
-#: replica does not know, a ticket id already live
-DROP_REASONS = ("too_many_hashes", "unknown_worker", "duplicate")
+#: replica does not know, a ticket id already live, one ticket larger than a byte budget
+DROP_REASONS = ("too_many_hashes", "unknown_worker", "duplicate", "too_large")
+#: bytes of this replica's memory one remote hash may hold, at worst (every hash distinct, none
+#: matched): the ledger's active and prefilling refcounts, the ticket's hash lists, the
+#: prediction's entries. Measured with tracemalloc: 244 B (docs/architecture.md §9, "Budgets")
+HASH_BYTES = 256
+#: and one remote ticket, past its hashes (the ticket, its entries here and in the ledger)
+TICKET_BYTES = 512
+
+
+def ticket_bytes(hashes: int) -> int:
+    """What a remote ticket of ``hashes`` hashes counts against the byte budgets."""
+    return TICKET_BYTES + HASH_BYTES * hashes
 
 
 class RemoteTickets:
     """Live remote tickets by ``(origin, ticket id)``: (when its TTL is next looked at, its
-    origin's gap count when it started, the ticket), in that first field's order."""
+    origin's gap count when it started, the ticket), in that first field's order; per origin,
+    its tickets' ids in the order they started and the bytes they count."""
 
     def __init__(
         self,
@@ -134,6 +152,8 @@ class RemoteTickets:
         ttl_s: float,
         max_tickets: int,
         max_hashes: int,
+        max_origin_bytes: int = 1 << 62,
+        max_bytes: int = 1 << 62,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._ledger = ledger
@@ -142,11 +162,17 @@ class RemoteTickets:
         self.ttl_s = ttl_s
         self.max_tickets = max_tickets
         self.max_hashes = max_hashes
+        self.max_origin_bytes = max_origin_bytes
+        self.max_bytes = max_bytes
         self._clock = clock
         self._tickets: OrderedDict[tuple[str, int], tuple[float, int, Ticket]] = OrderedDict()
         #: gaps seen per origin (only origins that had one): a ticket started before its
         #: origin's last gap may have lost its end
         self._gaps: dict[str, int] = {}
+        #: per origin: its live tickets' ids, oldest first, and the bytes they count
+        self._of: dict[str, dict[int, None]] = {}
+        self._origin_bytes: dict[str, int] = {}
+        self.bytes = 0
         self.ended = dict.fromkeys(END_REASONS, 0)
         self.dropped = dict.fromkeys(DROP_REASONS, 0)
 
@@ -154,7 +180,11 @@ class RemoteTickets:
         return len(self._tickets)
 
     def origins(self) -> set[str]:
-        return {o for o, _ in self._tickets}
+        return set(self._of)
+
+    def origin_bytes(self, origin: str) -> int:
+        """The bytes ``origin``'s live tickets count against its budget."""
+        return self._origin_bytes.get(origin, 0)
 
     def apply(self, origin: str, events: Sequence[RemoteEvent]) -> None:
         """Apply one message's events from peer ``origin``, in order."""
@@ -168,8 +198,7 @@ class RemoteTickets:
             if type(ev) is FirstToken:
                 self._ledger.first_token(entry[2])
             else:
-                del self._tickets[(origin, ev.ticket)]
-                self._end(entry[2], "ended")
+                self._end((origin, ev.ticket), "ended")
 
     def gap(self, origin: str) -> None:
         """Messages from ``origin`` were lost (its sequence numbers skipped): the tickets it
@@ -190,22 +219,46 @@ class RemoteTickets:
         if k in self._tickets:
             self.dropped["duplicate"] += 1
             return
+        cost = ticket_bytes(len(ev.hashes))
+        if cost > self.max_origin_bytes or cost > self.max_bytes:
+            self.dropped["too_large"] += 1
+            return
         now = self._clock()
         self.expire(now)
         tickets = self._tickets
         while len(tickets) >= self.max_tickets:
-            _, (_, _, old) = tickets.popitem(last=False)
-            self._end(old, "evicted")
+            self._end(next(iter(tickets)), "evicted")
+        mine = self._of.get(origin)
+        while mine and self._origin_bytes[origin] + cost > self.max_origin_bytes:
+            self._end((origin, next(iter(mine))), "over_budget")  # its own oldest
+        while tickets and self.bytes + cost > self.max_bytes:
+            self._end(next(iter(tickets)), "over_budget")  # anyone's oldest
+        mine = self._of.setdefault(origin, {})  # (ended above with its last ticket, maybe)
         t = self._ledger.start(key, ev.hashes, ev.prefill, ev.matched)
         # the same prediction the owner made on its side (Placer.commit): blocks past the
         # matched prefix, which the worker's events will confirm
         if ev.matched < len(ev.hashes):
             self._predicted.record(ev.hashes[ev.matched :], slot)
         tickets[k] = (now + self.ttl_s, self._gaps.get(origin, 0), t)
+        mine[ev.ticket] = None
+        self._origin_bytes[origin] = self._origin_bytes.get(origin, 0) + cost
+        self.bytes += cost
 
-    def _end(self, t: Ticket, reason: str) -> None:
+    def _end(self, k: tuple[str, int], reason: str) -> None:
+        """End live ticket ``k``: the one way out, so every count stays true."""
+        t = self._tickets.pop(k)[2]
         self._ledger.finish(t)
         self.ended[reason] += 1
+        origin = k[0]
+        cost = ticket_bytes(len(t.hashes))
+        self.bytes -= cost
+        left = self._origin_bytes[origin] - cost
+        mine = self._of[origin]
+        del mine[k[1]]
+        if mine:
+            self._origin_bytes[origin] = left
+        else:
+            del self._of[origin], self._origin_bytes[origin]
 
     def expire(self, now: float | None = None) -> int:
         """End the tickets past their TTL that a gap since their start exposed (their end may
@@ -221,25 +274,25 @@ class RemoteTickets:
             k, (exp, seen, t) = next(iter(tickets.items()))
             if exp > now:
                 break
-            del tickets[k]
             if gaps.get(k[0], 0) > seen:
-                self._end(t, "expired")
+                self._end(k, "expired")
                 n += 1
             else:
                 # nothing lost since it started: its end is still to come. Renewed at the back,
                 # the latest TTL, so the order holds.
+                del tickets[k]
                 tickets[k] = (now + self.ttl_s, seen, t)
         return n
 
     def drop_origin(self, origin: str) -> int:
         """Peer ``origin`` is gone (silent, restarted under a new origin): end its tickets."""
-        gone = [k for k in self._tickets if k[0] == origin]
-        for k in gone:
-            self._end(self._tickets.pop(k)[2], "peer_lost")
+        gone = list(self._of.get(origin, ()))
+        for tid in gone:
+            self._end((origin, tid), "peer_lost")
         self._gaps.pop(origin, None)
         return len(gone)
 
     def drop_worker(self, worker_id: str) -> None:
         """A worker left: its remote tickets end with it."""
         for k in [k for k, (_, _, t) in self._tickets.items() if t.key[0] == worker_id]:
-            self._end(self._tickets.pop(k)[2], "worker_removed")
+            self._end(k, "worker_removed")

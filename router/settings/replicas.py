@@ -66,9 +66,14 @@ class ReplicaSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     ticket_ttl_s: float = 120.0
     max_remote_tickets: int = 100_000
     max_hashes: int = 8192
-    max_message_bytes: int = 1 << 20
+    max_message_bytes: int = 1 << 18
     heartbeat_s: float = 1.0
     peer_timeout_s: float = 5.0
+    drain_budget_ms: float = 5.0
+    drain_max_hashes: int = 32768
+    max_peer_state_mib: float = 128.0
+    max_remote_state_mib: float = 512.0
+    max_queue_mib: float = 64.0
     warm_from: list[str] = msgspec.field(default_factory=list)
     warm_timeout_s: float = 10.0
     max_snapshot_bytes: int = 1 << 28
@@ -91,13 +96,19 @@ class ReplicaSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         _check(self.ticket_ttl_s > 0, "ticket_ttl_s", "must be > 0")
         _check(self.max_remote_tickets >= 1, "max_remote_tickets", "must be >= 1")
         _check(1 <= self.max_hashes <= 1 << 20, "max_hashes", "must be between 1 and 1048576")
-        # a message holds at most ~2 x max_hashes hashes (9 bytes each in msgpack) and a few
-        # hundred small events: the receiving socket's cap must let the largest one through
-        need = 20 * self.max_hashes + 65536
+        need = self.sent_message_bytes  # the receiving socket's cap lets the largest through
         _check(self.max_message_bytes >= need, "max_message_bytes", f"must be >= {need}")
         _check(self.heartbeat_s > 0, "heartbeat_s", "must be > 0")
         ok = self.peer_timeout_s > 2 * self.heartbeat_s
         _check(ok, "peer_timeout_s", "must be > 2 x heartbeat_s")
+        _check(self.drain_budget_ms > 0, "drain_budget_ms", "must be > 0")
+        _check(self.drain_max_hashes >= 1, "drain_max_hashes", "must be >= 1")
+        # (a ticket larger than a budget is refused and counted: router.placement.remote)
+        _check(self.max_peer_state_mib > 0, "max_peer_state_mib", "must be > 0")
+        ok = self.max_remote_state_mib >= self.max_peer_state_mib
+        _check(ok, "max_remote_state_mib", "must be >= max_peer_state_mib")
+        ok = self.max_queue_mib * (1 << 20) >= self.max_message_bytes
+        _check(ok, "max_queue_mib", "must hold one message of max_message_bytes")
         _check(self.warm_timeout_s > 0, "warm_timeout_s", "must be > 0")
         _check(self.max_snapshot_bytes >= 1024, "max_snapshot_bytes", "must be >= 1024")
         path = self.peer_key_file
@@ -109,6 +120,13 @@ class ReplicaSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
             "is needed for replica sync over TCP and warm starts (a shared secret in a file, e.g. "
             "`openssl rand -hex 32`), or trusted_network: true on a network you trust",
         )
+
+    @property
+    def sent_message_bytes(self) -> int:
+        """The largest sync message a replica publishes: at most ~2 x ``max_hashes`` hashes (it
+        sends once ``max_hashes`` are pending; 9 bytes each in msgpack, counted 10) and a few
+        hundred small events."""
+        return 20 * self.max_hashes + 65536
 
     @property
     def enabled(self) -> bool:

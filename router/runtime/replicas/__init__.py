@@ -4,6 +4,10 @@ placement core:
 - ``sync``: :class:`ReplicaSync`, the placer's listener that publishes its tickets' life on a
   ZMQ PUB, and the one task that receives the peers' and applies them as remote tickets;
 - ``wire``: the one message shape (msgspec, msgpack) and its bounds;
+- ``curve``: CURVE on every sync socket with a peer key, the ZAP handler, handshake failures;
+- ``links``: the SUB's connections and both sockets' monitors (redial, refused handshakes);
+- ``origins``: the peer table: what a message's origin and seq mean, its bound;
+- ``budget``: the sync task's budget per turn, the queues' bound in MiB;
 - ``peers``: peers from the router's own pods (``replicas.discovery``);
 - ``warm``: a starting replica's index from a peer's snapshot, else a cold start;
 - ``peerkey``: the shared peer key (``replicas.peer_key_file``) and what it derives: sync's

@@ -35,7 +35,7 @@ encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(SyncMessage).decode
 
 
-def decode(frame: bytes) -> SyncMessage:
+def decode(frame: bytes | memoryview) -> SyncMessage:
     """One frame as a :class:`SyncMessage`; raises :class:`msgspec.DecodeError` and nothing
     else: msgspec reports a string that is not UTF-8 as ``UnicodeDecodeError``, which no caller
     would expect (a 4-byte frame of one such string ended the sync task)."""

@@ -11,6 +11,7 @@ import signal
 from typing import Any
 
 import httpx
+import pytest
 from replica_procs import RouterProc, candidate, metric, metrics, ready, route, until
 
 BS = 16
@@ -38,12 +39,19 @@ def alive(pid: int) -> bool:
     return True
 
 
-async def test_processes_share_one_port_sync_and_are_restarted(workers, http, tmp_path):
+@pytest.mark.parametrize("peer_key", [False, True], ids=["plain", "peer_key"])
+async def test_processes_share_one_port_sync_and_are_restarted(workers, http, tmp_path, peer_key):
+    """With a peer key the siblings' ``ipc://`` sync runs CURVE too (router/runtime/replicas/
+    curve.py: one rule for every transport)."""
     ws = [await workers(n) for n in ("a", "b")]
+    replicas: dict[str, Any] = {"heartbeat_s": 0.1, "peer_timeout_s": 2.0}
+    if peer_key:
+        (tmp_path / "peer-key").write_text("0123456789abcdef" * 4)
+        replicas["peer_key_file"] = str(tmp_path / "peer-key")
     config: dict[str, Any] = {
         "workers": [w.spec() for w in ws],
         "server": {"processes": 2, "metrics_port": 0},
-        "replicas": {"heartbeat_s": 0.1, "peer_timeout_s": 2.0},
+        "replicas": replicas,
     }
     r = await RouterProc.start(tmp_path, "p", config, processes=2)
     try:
@@ -97,6 +105,7 @@ async def test_processes_share_one_port_sync_and_are_restarted(workers, http, tm
         assert "exited with -9: starting it again" in r.log()
         assert "warm start: index of" in r.log()
         assert alive(pid0)
+        assert ("CURVE (replicas.peer_key_file)" in r.log()) == peer_key
     finally:
         rc = await r.stop()
     assert rc == 0

@@ -192,7 +192,12 @@ def test_events_past_the_bounds_or_for_unknown_ranks_are_dropped_and_counted() -
             Ended(98),
         ],
     )
-    assert b.remote.dropped == {"unknown_worker": 2, "too_many_hashes": 2, "duplicate": 1}
+    assert b.remote.dropped == {
+        "unknown_worker": 2,
+        "too_many_hashes": 2,
+        "duplicate": 1,
+        "too_large": 0,
+    }
     assert len(b.remote) == 1
     # another origin's ticket 5 is another ticket; a silent origin's tickets all end
     b.remote.apply("q", [Placed(5, "b", 0, [7], 1.0, 0)])

@@ -5,53 +5,16 @@ be applied (shape, bounds, block size, sequence), and two real ``ReplicaSync``s 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
 import pytest
+from sync_peers import BS, Clock, msg, sync
 
-from indexer.index import PrefixIndex
-from router.fleet.registry import Registry
-from router.placement import Ended, Placed, PlacementSettings, Placer
-from router.runtime.replicas import ReplicaSync, SyncBindError
-from router.runtime.replicas.wire import MAX_EVENTS, VERSION, SyncMessage, encode
-from router.settings import ReplicaSettings, WorkerConfig, load_settings
+from router.placement import Ended, Placed
+from router.runtime.replicas import SyncBindError
+from router.runtime.replicas.wire import MAX_EVENTS, VERSION
 from tests.waiting import wait_for
-
-BS = 16
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def placer(clock: Callable[[], float], **replicas: object) -> Placer:
-    settings = load_settings(
-        environ={}, overrides={"workers": [], "block_size": BS, "replicas": replicas}
-    )
-    fleet = Registry(settings.health, clock=clock)
-    index = PrefixIndex(BS)
-    for wid in ("a", "b"):
-        fleet.add(WorkerConfig(id=wid, url=f"http://{wid}.invalid", events_endpoint="tcp://x:1"))
-        index.add_worker(wid, 0)
-    return Placer(PlacementSettings.of(settings), index, fleet, clock=clock)
-
-
-def sync(clock: Callable[[], float], **replicas: object) -> ReplicaSync:
-    replicas = {"trusted_network": True, **replicas}
-    p = placer(clock, **replicas)
-    s = ReplicaSync(ReplicaSettings(**replicas), p, block_size=BS, clock=clock)  # type: ignore[arg-type]
-    p.listener = s
-    return s
-
-
-def msg(seq: int, events: list, *, origin: str = "peer", block_size: int = BS) -> list[bytes]:
-    return [encode(SyncMessage(VERSION, origin, seq, block_size, events))]
 
 
 def test_gaps_are_counted_and_old_or_repeated_messages_dropped() -> None:

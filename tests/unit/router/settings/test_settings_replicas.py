@@ -62,6 +62,15 @@ def test_sync_is_off_by_default_and_on_with_any_of_its_keys() -> None:
         ({"replicas": {"sync_bind": "tcp://0.0.0.0:5600"}}, "replicas.peer_key_file"),
         ({"replicas": {"warm_from": ["http://peer:8000"]}}, "replicas.peer_key_file"),
         ({"replicas": {"peer_key_file": "/nonexistent/key"}}, "replicas.peer_key_file"),
+        # sync's budgets (issue 37): each must hold what it budgets
+        ({"replicas": {"drain_budget_ms": 0}}, "replicas.drain_budget_ms"),
+        ({"replicas": {"drain_max_hashes": 0}}, "replicas.drain_max_hashes"),
+        ({"replicas": {"max_peer_state_mib": 0}}, "replicas.max_peer_state_mib"),
+        (
+            {"replicas": {"max_peer_state_mib": 64, "max_remote_state_mib": 32}},
+            "replicas.max_remote_state_mib",
+        ),
+        ({"replicas": {"max_queue_mib": 0.2}}, "replicas.max_queue_mib"),  # < a 256 KiB message
     ],
 )
 def test_bad_values_name_their_key(overrides: dict, key: str) -> None:
