@@ -158,6 +158,7 @@ class Runtime:
                 block_size=settings.block_size,
                 process=process,
                 clock=clock,
+                key=self.peer_key,
             )
             self.placer.listener = self.replicas
             self.prom.register(ReplicaCollector(self.replicas.stats))

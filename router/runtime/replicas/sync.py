@@ -40,7 +40,7 @@ from router.runtime.replicas.curve import Curve
 from router.runtime.replicas.errors import SyncBindError
 from router.runtime.replicas.links import WARN_EVERY_S, Links
 from router.runtime.replicas.origins import Origins, Seq
-from router.runtime.replicas.peerkey import peer_key
+from router.runtime.replicas.peerkey import PeerKey
 from router.runtime.replicas.peers import follow_peers, sync_port
 from router.runtime.replicas.wire import FLUSH_EVENTS, VERSION, SyncMessage, decode, encode
 from router.settings import ReplicaSettings
@@ -72,6 +72,7 @@ class ReplicaSync:
         block_size: int,
         process: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        key: PeerKey | None = None,
     ) -> None:
         self.settings = settings
         self.placer = placer
@@ -85,7 +86,7 @@ class ReplicaSync:
         self.dropped = dict.fromkeys(SYNC_DROP_REASONS, 0)
         self.origins = Origins()
         self._max_hashes = settings.max_hashes
-        key = peer_key(settings)  # (read now: a bad file fails the start, not the first peer)
+        # ``key``: the replicas' peer key, read once at start by the runtime (None: none)
         self.curve = Curve(key) if key is not None else None
         self._drain = Drain(settings.drain_budget_ms / 1000, settings.drain_max_hashes)
         self._next_warn: dict[str, float] = {}  # per kind of warning: when to warn again

@@ -14,7 +14,7 @@ import zmq
 from indexer.index import PrefixIndex
 from router.fleet.registry import Registry
 from router.placement import PlacementSettings, Placer
-from router.runtime.replicas import ReplicaSync
+from router.runtime.replicas import ReplicaSync, peer_key
 from router.runtime.replicas.wire import VERSION, SyncMessage, encode
 from router.settings import ReplicaSettings, WorkerConfig, load_settings
 
@@ -47,7 +47,8 @@ def sync(clock: Callable[[], float] = time.monotonic, **replicas: object) -> Rep
     if "peer_key_file" not in replicas:
         replicas = {"trusted_network": True, **replicas}
     p = placer(clock, **replicas)
-    s = ReplicaSync(ReplicaSettings(**replicas), p, block_size=BS, clock=clock)  # type: ignore[arg-type]
+    rs = ReplicaSettings(**replicas)  # type: ignore[arg-type]
+    s = ReplicaSync(rs, p, block_size=BS, clock=clock, key=peer_key(rs))
     p.listener = s
     return s
 
