@@ -12,7 +12,6 @@ import signal
 from typing import Any
 
 import httpx
-from conftest import RouterHandle
 from router_fakeworker import FakeWorker
 from test_router_cli import LINE, _spawn
 
@@ -29,7 +28,8 @@ def no_events(w: FakeWorker, **extra: Any) -> dict[str, Any]:
     return w.spec(events_endpoint="none", replay_endpoint=None, **extra)
 
 
-async def complete(http: httpx.AsyncClient, r: RouterHandle, prompt: str) -> tuple[str, int]:
+# (r: conftest.RouterHandle; a conftest is no module to import from: two share the name)
+async def complete(http: httpx.AsyncClient, r: Any, prompt: str) -> tuple[str, int]:
     """The worker the proxy sent ``prompt`` to and the cached tokens that worker reported."""
     resp = await http.post(r.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 4})
     assert resp.status_code == 200, resp.text
@@ -37,7 +37,7 @@ async def complete(http: httpx.AsyncClient, r: RouterHandle, prompt: str) -> tup
     return resp.headers["x-kvrouter-worker"], cached
 
 
-async def route(http: httpx.AsyncClient, r: RouterHandle, prompt: str) -> dict[str, Any]:
+async def route(http: httpx.AsyncClient, r: Any, prompt: str) -> dict[str, Any]:
     """``/route``'s candidates by worker id."""
     resp = await http.post(r.url + "/route", json={"prompt": prompt})
     assert resp.status_code == 200, resp.text
