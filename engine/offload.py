@@ -318,7 +318,7 @@ class TierManager:
     def _finish_load(self, job: LoadJob) -> None:
         assert self.host is not None
         for it in job.items:
-            self.loaded_blocks[it.tier] += 1
+            self.loaded_blocks[it.tier] = self.loaded_blocks.get(it.tier, 0) + 1
             if it.tier == "CPU_PINNED":
                 e = self.host.entries.get(it.meta.hash)
                 if e is not None:
