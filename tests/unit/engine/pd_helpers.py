@@ -88,10 +88,11 @@ def replayed(endpoint: str) -> list[Any]:
         ctx.term()
 
 
-def gpu_stores(engine: Engine) -> list[list[int]]:
-    """The token ids of each block the engine said it stored on GPU, in order."""
+def gpu_stores(replay: str) -> list[list[int]]:
+    """The token ids of each block an engine said it stored on GPU, in order (from its replay
+    endpoint)."""
     out = []
-    for ev in replayed(engine.replay):
+    for ev in replayed(replay):
         if isinstance(ev, BlockStored) and ev.tier == "GPU":
             bs = ev.block_size
             out.extend(ev.token_ids[i : i + bs] for i in range(0, len(ev.token_ids), bs))

@@ -73,7 +73,7 @@ def test_a_decode_engine_pulls_the_prefilled_blocks_and_publishes_them(fleet) ->
     assert after["pulls"]["pulled"] == before["pulls"]["pulled"] + 1
     leases = p.transfers()["leases"]  # released on the pull
     assert (leases["held"], leases["blocks"]) == (0, 0) and leases["ended"]["pulled"] >= 1
-    stored = gpu_stores(d)
+    stored = gpu_stores(d.replay)
     assert [ids[i * BS : (i + 1) * BS] for i in range(6)] == stored[:6]
     # the same text as the whole request on one engine (greedy: a function of the KV)
     whole = _decode(p, ids, None).json()["choices"][0]["text"]

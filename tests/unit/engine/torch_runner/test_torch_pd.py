@@ -35,7 +35,7 @@ def test_a_torch_pd_pair_generates_what_one_aggregated_engine_does() -> None:
         side = d.transfers()
         assert side["pulls"]["pulled"] == len(prompts) and side["loaded_blocks"] == pulled
         assert p.transfers()["leases"]["held"] == 0
-        stored = gpu_stores(d)  # BlockStored(GPU) for each pulled block, with its tokens
+        stored = gpu_stores(d.replay)  # BlockStored(GPU) for each pulled block, with its tokens
         for ids in prompts:
             for i in range((len(ids) - 1) // BLOCK):
                 assert ids[i * BLOCK : (i + 1) * BLOCK] in stored
