@@ -235,9 +235,11 @@ class LLMEngine:
     def _release_blocks(self, block_ids: tuple[int, ...]) -> None:
         self.bm.free_blocks(block_ids)
 
-    def export_lease(self, transfer_id: str, block_ids: list[int]) -> tuple[Lease, list[bytes]]:
-        """A decode engine's pull: the lease's KV bytes, and its blocks released; the lease is
-        gone whatever the outcome (a transfer is read once)."""
+    def export_lease(
+        self, transfer_id: str, block_ids: list[int], first: int = 0
+    ) -> tuple[Lease, list[bytes]]:
+        """A decode engine's pull: the KV bytes of the lease's blocks from ``first`` on, and
+        its blocks released; the lease is gone whatever the outcome (a transfer is read once)."""
         lease = self.leases.take(transfer_id)
         try:
             if tuple(block_ids) != lease.block_ids:
@@ -245,7 +247,9 @@ class LLMEngine:
                     f"transfer {transfer_id!r}: asked for {len(block_ids)} blocks "
                     f"{block_ids[:4]}..., the lease holds {len(lease.block_ids)} other ones"
                 )
-            return lease, export_blocks(self.tiers, lease.block_ids)
+            if not 0 <= first <= len(block_ids):
+                raise KvTransferError(f"transfer {transfer_id!r}: no block {first} to start at")
+            return lease, export_blocks(self.tiers, lease.block_ids[first:])
         finally:
             self.leases.done(lease)
 

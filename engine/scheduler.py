@@ -153,14 +153,16 @@ class Scheduler:
         holds them all already, or no block or staging slot is free)."""
         bm, remote = self.bm, seq.remote_kv
         assert remote is not None
-        start, end = len(hit), len(remote.blocks)
-        if start >= end:
-            seq.remote_kv = None  # this engine holds the whole pulled prefix already
+        start, end = len(hit), remote.first + len(remote.blocks)
+        if not remote.first <= start < end:
+            # it holds the whole pulled prefix already, or lost some of what it held when it
+            # pulled (evicted meanwhile): the gap is computed here, and so is the rest
+            seq.remote_kv = None
             return None
         if end - start + hit_free > bm.num_free_blocks:
             return None
         metas = [self._meta(seq, i) for i in range(start, end)]
-        items = stage_blocks(self.tiers, metas, remote.blocks[start:end])
+        items = stage_blocks(self.tiers, metas, remote.blocks[start - remote.first :])
         if not items:
             return None
         seq.remote_kv = None  # the bytes are in staging now

@@ -27,9 +27,11 @@ class FinishReason(str, enum.Enum):
 @dataclass
 class RemoteKV:
     """KV a decode engine pulled from a prefill engine (``engine.pd``): the bytes of the prompt's
-    first ``len(blocks)`` full blocks, and the prefill engine's own prefix hit."""
+    full blocks ``[first, first + len(blocks))`` (it held the first ones already when it pulled),
+    and the prefill engine's own prefix hit."""
 
     blocks: list[bytes]
+    first: int = 0
     cached_tokens: int = 0
 
 

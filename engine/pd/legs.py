@@ -117,7 +117,7 @@ class PdNode:
             log.warning("KV load failed, prefilling here instead: %s", exc)
             return
         self.pulls["pulled"] += 1
-        self.pulled_blocks += len(req.remote_kv.blocks)
+        self.pulled_blocks += len(req.remote_kv.blocks)  # those it lacked
 
     def answer_params(self, out: RequestOutput) -> dict[str, Any] | None:
         """A finished prefill leg's ``kv_transfer_params`` (None: no lease was granted, and the
@@ -157,7 +157,7 @@ class PdNode:
                 f"engine {req.engine_id!r} is not this one ({self.engine_id}): it restarted"
             )
         lease, blobs = await self.engine.call(
-            lambda core: core.export_lease(req.transfer_id, req.block_ids)
+            lambda core: core.export_lease(req.transfer_id, req.block_ids, req.first)
         )
         return PullAnswer(
             fingerprint=self.fingerprint, block_hashes=list(lease.hashes), blocks=blobs
@@ -183,8 +183,14 @@ class PdNode:
                 f"remote_block_ids names {len(block_ids)} blocks; a prompt of {len(ids)} "
                 f"tokens has {k} full blocks to pull (block size {self.block_size})"
             )
+        hashes = hash_chain(self.seed, ids[: k * self.block_size], self.block_size)
+        # pull only what this engine lacks (vLLM's decode worker too): its own GPU hit first
+        first = await self.engine.call(lambda core: len(core.bm.lookup(hashes)))
         req = PullRequest(
-            engine_id=p.remote_engine_id, transfer_id=p.remote_request_id, block_ids=block_ids
+            engine_id=p.remote_engine_id,
+            transfer_id=p.remote_request_id,
+            block_ids=block_ids,
+            first=first,
         )
         answer = await pull(
             p.remote_host,
@@ -198,13 +204,12 @@ class PdNode:
                 f"the prefill engine's KV is {answer.fingerprint!r}, this engine's "
                 f"{self.fingerprint!r}: another model or layout"
             )
-        if answer.block_hashes != hash_chain(
-            self.seed, ids[: k * self.block_size], self.block_size
-        ):
+        if answer.block_hashes != hashes:
             raise KvTransferError(
                 "the pulled blocks hold the KV of other tokens than this prompt's"
             )
-        return RemoteKV(answer.blocks, cached_tokens=min(p.remote_prefill_cached_tokens, len(ids)))
+        cached = min(p.remote_prefill_cached_tokens, len(ids))
+        return RemoteKV(answer.blocks, first=first, cached_tokens=cached)
 
 
 def _block_ids(raw: list[Any] | None) -> list[int]:

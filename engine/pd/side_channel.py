@@ -32,6 +32,9 @@ log = logging.getLogger("engine.pd")
 #: pulls served at once; more wait (each holds its blocks' bytes in memory while it is sent)
 MAX_CONCURRENT_PULLS = 4
 
+#: seconds a connected peer has to send its request
+REQUEST_TIMEOUT_S = 10.0
+
 Export = Callable[[PullRequest], Awaitable[PullAnswer]]
 
 
@@ -61,7 +64,10 @@ class BlockEndpoint:
         try:
             async with self._slots:
                 try:
-                    req = await read_frame(reader, PullRequest, MAX_REQUEST_BYTES)
+                    # a peer that connects and says nothing must not hold a slot for good
+                    req = await asyncio.wait_for(
+                        read_frame(reader, PullRequest, MAX_REQUEST_BYTES), REQUEST_TIMEOUT_S
+                    )
                     answer = await self._export(req)
                 except KvTransferError as exc:
                     answer = PullAnswer(error=str(exc))
@@ -71,6 +77,8 @@ class BlockEndpoint:
                     self.refused += 1
                     log.warning("KV pull refused: %s", answer.error)
                 await write_frame(writer, answer)
+        except asyncio.TimeoutError:
+            log.warning("KV pull from %s sent no request", writer.get_extra_info("peername"))
         except (ConnectionError, OSError) as exc:  # the decode engine left mid-answer
             log.warning("KV pull from %s broke: %s", writer.get_extra_info("peername"), exc)
         finally:
@@ -85,7 +93,8 @@ async def pull(
     """The decode engine's side: the answer to ``req``, whose blocks must be ``block_bytes``
     each; :class:`KvTransferError` if the prefill engine cannot be reached, refuses, answers
     another number or size of blocks, or goes away mid-pull."""
-    limit = answer_limit(len(req.block_ids), block_bytes)
+    want = len(req.block_ids) - req.first
+    limit = answer_limit(max(want, 0), block_bytes)
 
     async def exchange() -> PullAnswer:
         reader, writer = await asyncio.open_connection(host, port)
@@ -105,9 +114,9 @@ async def pull(
         raise KvTransferError(f"KV pull from {host}:{port} failed: {exc}") from exc
     if answer.error is not None:
         raise KvTransferError(f"the prefill engine at {host}:{port} refused: {answer.error}")
-    if len(answer.blocks) != len(req.block_ids) or len(answer.block_hashes) != len(answer.blocks):
+    if len(answer.blocks) != want or len(answer.block_hashes) != len(req.block_ids):
         raise KvTransferError(
-            f"asked {len(req.block_ids)} blocks, got {len(answer.blocks)} "
+            f"asked {want} blocks of {len(req.block_ids)}, got {len(answer.blocks)} "
             f"(and {len(answer.block_hashes)} hashes)"
         )
     bad = [i for i, b in enumerate(answer.blocks) if len(b) != block_bytes]

@@ -38,10 +38,12 @@ class PullRequest(msgspec.Struct, kw_only=True):
     engine_id: str
     transfer_id: str
     block_ids: list[int]
+    #: leading blocks the decode engine holds already: not sent (the lease ends all the same)
+    first: int = 0
 
 
 class PullAnswer(msgspec.Struct, kw_only=True):
-    """The blocks' KV bytes in order and their engine hashes, or ``error``."""
+    """The KV bytes of blocks ``[first:]`` in order and the engine hashes of all, or ``error``."""
 
     error: str | None = None
     fingerprint: str = ""

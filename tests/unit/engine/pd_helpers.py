@@ -37,6 +37,7 @@ PREFILL_LEG: dict[str, Any] = {
 class Engine:
     child: Child
     url: str
+    events: str
     replay: str
     kv: tuple[str, int] | None
 
@@ -62,7 +63,9 @@ def engines(*argvs: list[str], timeout: float = 120) -> Iterator[list[Engine]]:
         for c in children:
             m = c.wait_line(ENGINE_READY, timeout, threading.Event())
             kv = re.search(r" kv=(\S+):(\d+)", m.string)
-            out.append(Engine(c, m.group(1), m.group(3), (kv[1], int(kv[2])) if kv else None))
+            out.append(
+                Engine(c, m.group(1), m.group(2), m.group(3), (kv[1], int(kv[2])) if kv else None)
+            )
         yield out
     finally:
         stop_children(children)

@@ -90,6 +90,22 @@ def test_the_decode_engine_reports_the_prefill_engines_hit_as_cached(fleet) -> N
     assert _decode(d, ids, kv).json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
 
 
+def test_a_decode_engine_pulls_only_the_blocks_it_lacks(fleet) -> None:
+    p, d = fleet["p"], fleet["d"]
+    head = _ids(12, 64)
+    ids = head + _ids(13, 40)
+    _decode(d, ids, _prefill(p, ids))  # the decode engine holds the head's 4 blocks now
+    ids = head + _ids(14, 40)  # 6 full blocks to pull, the first 4 held
+    before = d.transfers()
+    got = _decode(d, ids, _prefill(p, ids))
+    after = d.transfers()
+    assert got.status_code == 200, got.text
+    assert after["pulled_blocks"] - before["pulled_blocks"] == 2
+    assert after["loaded_blocks"] - before["loaded_blocks"] == 2
+    assert p.transfers()["leases"]["held"] == 0  # the lease ends all the same
+    assert got.json()["choices"][0]["text"] == _decode(p, ids, None).json()["choices"][0]["text"]
+
+
 def test_many_pd_requests_at_once_pass_the_payload_checks(fleet) -> None:
     p, d = fleet["p"], fleet["d"]
     from concurrent.futures import ThreadPoolExecutor
