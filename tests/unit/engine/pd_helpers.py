@@ -91,12 +91,12 @@ def replayed(endpoint: str) -> list[Any]:
         ctx.term()
 
 
-def gpu_stores(replay: str) -> list[list[int]]:
-    """The token ids of each block an engine said it stored on GPU, in order (from its replay
-    endpoint)."""
+def gpu_stores(replay: str, tier: str = "GPU") -> list[list[int]]:
+    """The token ids of each block an engine said it stored on GPU (or ``tier``), in order (from
+    its replay endpoint)."""
     out = []
     for ev in replayed(replay):
-        if isinstance(ev, BlockStored) and ev.tier == "GPU":
+        if isinstance(ev, BlockStored) and ev.tier == tier:
             bs = ev.block_size
             out.extend(ev.token_ids[i : i + bs] for i in range(0, len(ev.token_ids), bs))
     return out

@@ -31,7 +31,7 @@ def fleet() -> Iterator[dict[str, Engine]]:
     with engines(
         ["--role", "prefill", *SIM],
         ["--role", "prefill", "--kv-lease-s", "0.3", *SIM],
-        ["--role", "decode", *SIM],
+        ["--role", "decode", "--cpu-blocks", "256", *SIM],
         ["--role", "decode", "--kv-load-failure-policy", "recompute", *SIM],
     ) as (p, short, d, r):
         yield {"p": p, "short": short, "d": d, "r": r}
@@ -73,8 +73,10 @@ def test_a_decode_engine_pulls_the_prefilled_blocks_and_publishes_them(fleet) ->
     assert after["pulls"]["pulled"] == before["pulls"]["pulled"] + 1
     leases = p.transfers()["leases"]  # released on the pull
     assert (leases["held"], leases["blocks"]) == (0, 0) and leases["ended"]["pulled"] >= 1
-    stored = gpu_stores(d.replay)
-    assert [ids[i * BS : (i + 1) * BS] for i in range(6)] == stored[:6]
+    blocks = [ids[i * BS : (i + 1) * BS] for i in range(6)]
+    assert gpu_stores(d.replay)[:6] == blocks
+    # and written through to its CPU_PINNED tier like blocks it computed
+    poll(lambda: gpu_stores(d.replay, "CPU_PINNED")[:6] == blocks, 20, "CPU_PINNED copies")
     # the same text as the whole request on one engine (greedy: a function of the KV)
     whole = _decode(p, ids, None).json()["choices"][0]["text"]
     assert got.json()["choices"][0]["text"] == whole
