@@ -149,8 +149,10 @@ class Scheduler:
 
     def _admit_remote(self, seq: Sequence, hit: list[int], hit_free: int) -> int | None:
         """A decode leg: load the pulled blocks this engine lacks (after its own GPU hit) through
-        staging slots, like a load-back; 0 (LOADING), or None to go on as a local prefill (it
-        holds them all already, or no block or staging slot is free)."""
+        staging slots, like a load-back; 0 (LOADING), -1 (not yet: too few free blocks, or too
+        few staging slots while loads in flight will give theirs back), or None to go on as a
+        local prefill (it holds them all already). More blocks than the engine has staging
+        slots: as many as there are, the rest computed here."""
         bm, remote = self.bm, seq.remote_kv
         assert remote is not None
         start, end = len(hit), remote.first + len(remote.blocks)
@@ -160,7 +162,10 @@ class Scheduler:
             seq.remote_kv = None
             return None
         if end - start + hit_free > bm.num_free_blocks:
-            return None
+            return -1
+        host = self.tiers.host
+        if host is not None and host.num_free_staging < end - start and self.loading:
+            return -1
         metas = [self._meta(seq, i) for i in range(start, end)]
         items = stage_blocks(self.tiers, metas, remote.blocks[start - remote.first :])
         if not items:

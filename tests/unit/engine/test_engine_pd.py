@@ -14,12 +14,15 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from engine_helpers import make_engine, run
 from pd_helpers import PREFILL_LEG, Engine, engines, gpu_stores
 
+from engine.engine import LLMEngine
 from engine.pd.leases import LeaseTable
 from engine.pd.params import KvTransferError
 from engine.runner.base import RunnerConfig
 from engine.runner.sim import SimRunner
+from engine.sequence import RemoteKV, Request
 from tests.waiting import poll
 
 BS = 16
@@ -243,3 +246,39 @@ def test_the_lease_table_is_bounded_and_ends_leases_on_time() -> None:
     with pytest.raises(KvTransferError, match="unknown transfer 'b'"):
         table.take("b")
     assert held == [] and table.ended["expired"] == 2
+
+
+def _pulled(p: LLMEngine, rid: str, ids: list[int]) -> RemoteKV:
+    """Prefill ``ids`` on ``p`` as a prefill leg and read its lease, as the block endpoint does."""
+    out = run(p, rid, ids, kv_hold=True)
+    assert out.kv_lease is not None
+    _, blobs = p.export_lease(rid, list(out.kv_lease.block_ids))
+    return RemoteKV(blobs)
+
+
+def test_pulled_blocks_wait_for_staging_slots_or_load_as_many_as_there_are() -> None:
+    p = make_engine(block_size=BS, num_gpu_blocks=64)
+    d = make_engine(block_size=BS, num_gpu_blocks=64, num_staging_slots=4)
+    whole = make_engine(block_size=BS, num_gpu_blocks=64)
+    try:
+        a, b, c = _ids(20, 50), _ids(21, 50), _ids(22, 100)  # 3, 3 and 6 blocks to pull
+        for rid, ids in (("a", a), ("b", b)):  # both at once: "b" waits for "a"'s slots
+            d.add_request(Request(rid, ids, 4, remote_kv=_pulled(p, rid, ids)))
+        got: dict[str, list[int]] = {"a": [], "b": [], "c": []}
+        for out in d.run_until_idle():
+            got[out.request_id] += out.new_token_ids
+        assert d.tiers.loaded_blocks["REMOTE"] == 6
+        d.add_request(Request("c", c, 4, remote_kv=_pulled(p, "c", c)))
+        for out in d.run_until_idle():
+            got[out.request_id] += out.new_token_ids
+        assert d.tiers.loaded_blocks["REMOTE"] == 6 + 4  # 4 slots: the other 2 computed here
+        for rid, ids in (("a", a), ("b", b), ("c", c)):
+            whole.add_request(Request(rid, ids, 4))
+        want: dict[str, list[int]] = {"a": [], "b": [], "c": []}
+        for out in whole.run_until_idle():
+            want[out.request_id] += out.new_token_ids
+        assert got == want
+        assert len(p.leases) == 0 and p.bm.num_free_blocks == 64  # every lease released
+    finally:
+        for e in (p, d, whole):
+            e.close()
