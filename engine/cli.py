@@ -5,7 +5,9 @@ to the runner as ``RunnerConfig.options`` (``--some-flag v`` → ``{"some_flag":
 → True); the runner rejects those it does not know. Once listening it prints one line that
 ``kvrouter up`` parses::
 
-    kvrouter engine ready http=http://127.0.0.1:PORT events=tcp://127.0.0.1:P replay=tcp://127.0.0.1:Q
+    kvrouter engine ready http=http://127.0.0.1:PORT events=tcp://127.0.0.1:P replay=tcp://127.0.0.1:Q role=both kv=127.0.0.1:R
+
+(``kv=``: the block endpoint of a ``prefill`` or ``both`` engine, :mod:`engine.pd`).
 """
 
 from __future__ import annotations
