@@ -133,6 +133,7 @@ class AsyncEngine:
                         self._wake.wait(0.0005)  # only copies in flight
                         self._wake.clear()
                 else:
+                    self.core.leases.expire()  # an idle prefill engine ends leases too
                     self._publish()
                     self.stats = self.core.stats()
                     self._wake.wait(0.05)

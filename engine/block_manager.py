@@ -28,7 +28,14 @@ from dataclasses import dataclass, field
 from engine.kv_events import EventLog
 from engine.sequence import Sequence
 
-__all__ = ["Block", "BlockManager", "NoFreeBlocksError", "engine_block_hash", "hash_seed"]
+__all__ = [
+    "Block",
+    "BlockManager",
+    "NoFreeBlocksError",
+    "engine_block_hash",
+    "hash_chain",
+    "hash_seed",
+]
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -45,6 +52,15 @@ def engine_block_hash(parent: int, token_ids: Seq[int]) -> int:
     h = hashlib.blake2b(parent.to_bytes(8, "big"), digest_size=8)
     h.update(array("q", token_ids).tobytes())
     return int.from_bytes(h.digest(), "big")
+
+
+def hash_chain(seed: int, token_ids: Seq[int], block_size: int) -> list[int]:
+    """Engine hashes of the full blocks of ``token_ids`` from the root ``seed``."""
+    parent, out = seed, []
+    for i in range(len(token_ids) // block_size):
+        parent = engine_block_hash(parent, token_ids[i * block_size : (i + 1) * block_size])
+        out.append(parent)
+    return out
 
 
 @dataclass
@@ -111,11 +127,7 @@ class BlockManager:
 
     def hash_blocks_of(self, token_ids: Seq[int]) -> list[int]:
         """Engine hashes of the full blocks of ``token_ids`` from the root."""
-        bs, parent, out = self.block_size, self.seed, []
-        for i in range(len(token_ids) // bs):
-            parent = engine_block_hash(parent, token_ids[i * bs : (i + 1) * bs])
-            out.append(parent)
-        return out
+        return hash_chain(self.seed, token_ids, self.block_size)
 
     def hash_blocks(self, seq: Sequence) -> list[int]:
         """Extend ``seq.block_hashes`` over every full block of its tokens."""

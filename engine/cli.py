@@ -5,7 +5,9 @@ to the runner as ``RunnerConfig.options`` (``--some-flag v`` → ``{"some_flag":
 → True); the runner rejects those it does not know. Once listening it prints one line that
 ``kvrouter up`` parses::
 
-    kvrouter engine ready http=http://127.0.0.1:PORT events=tcp://127.0.0.1:P replay=tcp://127.0.0.1:Q
+    kvrouter engine ready http=http://127.0.0.1:PORT events=tcp://127.0.0.1:P replay=tcp://127.0.0.1:Q role=both kv=127.0.0.1:R
+
+(``kv=``: the block endpoint of a ``prefill`` or ``both`` engine, :mod:`engine.pd`).
 """
 
 from __future__ import annotations
@@ -75,6 +77,27 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("first-token", "at-once"),
         help="send a streamed answer's head with its first token, or at once as vLLM does",
     )
+    a(
+        "--role",
+        default="both",
+        choices=("prefill", "decode", "both"),
+        help="prefill/decode disaggregation: the legs of vLLM's NIXL exchange this engine takes",
+    )
+    a("--kv-host", help="the prefill side's block endpoint address (default: --host)")
+    a("--kv-port", type=int, default=0, help="the block endpoint's port (0: any free port)")
+    a(
+        "--kv-lease-s",
+        type=float,
+        default=30.0,
+        help="seconds a prefill engine holds a transfer's blocks (vLLM's kv_lease_duration)",
+    )
+    a(
+        "--kv-load-failure-policy",
+        default="fail",
+        choices=("fail", "recompute"),
+        help="a decode leg whose pull fails: answer 500, or prefill here (vLLM's)",
+    )
+    a("--kv-pull-timeout-s", type=float, default=10.0)
     a("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     return p
 
@@ -130,6 +153,7 @@ def parse_args(argv: Sequence[str]) -> tuple[ServerSettings, argparse.Namespace]
         speedup=args.speedup,
         seed=args.seed,
         tokenizer=args.tokenizer,
+        kv_lease_s=args.kv_lease_s,
     )
     settings = ServerSettings(
         engine=engine,
@@ -145,6 +169,11 @@ def parse_args(argv: Sequence[str]) -> tuple[ServerSettings, argparse.Namespace]
         admin_key=os.environ.get("KVROUTER_ADMIN_KEY") or None,
         advertise_url=args.advertise_url,
         stream_head=args.stream_head,
+        role=args.role,
+        kv_host=args.kv_host,
+        kv_port=args.kv_port,
+        kv_load_failure_policy=args.kv_load_failure_policy,
+        kv_pull_timeout_s=args.kv_pull_timeout_s,
     )
     return settings, args
 
@@ -174,7 +203,8 @@ class _Server(uvicorn.Server):
         st = self.config.app.state.kv  # type: ignore[union-attr]
         print(
             f"kvrouter engine ready http={url} events={st.events_endpoint or 'none'} "
-            f"replay={st.replay_endpoint or 'none'}",
+            f"replay={st.replay_endpoint or 'none'} role={self.settings.role}"
+            + (f" kv={st.pd.endpoint.host}:{st.pd.endpoint.port}" if st.pd.endpoint else ""),
             flush=True,
         )
         if self.settings.register:

@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.pd.params import LOAD_FAILURE_POLICIES, ROLES
+
 __all__ = ["ConfigError", "EngineConfig", "ServerSettings"]
 
 
@@ -41,6 +43,9 @@ class EngineConfig:
     seed: int = 0
     #: A local ``tokenizer.json`` (default: the runner's, else the byte tokenizer).
     tokenizer: str | None = None
+    #: how long a prefill engine holds a transfer's blocks for the decode engine (vLLM's
+    #: ``kv_lease_duration``, 30 s)
+    kv_lease_s: float = 30.0
 
     def __post_init__(self) -> None:
         positive = {
@@ -64,6 +69,8 @@ class EngineConfig:
             raise ConfigError("--offload must be write-through or write-back")
         if self.speedup <= 0:
             raise ConfigError("--speedup must be positive")
+        if self.kv_lease_s <= 0:
+            raise ConfigError("--kv-lease-s must be positive")
         if self.max_model_len is not None and not (
             0 < self.max_model_len <= self.num_gpu_blocks * self.block_size
         ):
@@ -111,8 +118,27 @@ class ServerSettings:
     #: engine finds at admission is an HTTP status, as SGLang does too), or "at-once", before the
     #: prefill, as vLLM sends it (that error is then an SSE error event)
     stream_head: str = "first-token"
+    #: prefill/decode disaggregation (``engine.pd``): ``prefill`` takes prefill legs and serves
+    #: their blocks, ``decode`` pulls them, ``both`` does either; all serve whole requests
+    role: str = "both"
+    #: the block endpoint's address (prefill and both); None: ``host``. Port 0: any free port
+    kv_host: str | None = None
+    kv_port: int = 0
+    #: a decode leg whose pull fails: answer 500 (``fail``, vLLM's default) or prefill here
+    kv_load_failure_policy: str = "fail"
+    kv_pull_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ConfigError(f"--role must be one of {', '.join(ROLES)}")
+        if self.kv_load_failure_policy not in LOAD_FAILURE_POLICIES:
+            raise ConfigError(
+                f"--kv-load-failure-policy must be one of {', '.join(LOAD_FAILURE_POLICIES)}"
+            )
+        if self.kv_pull_timeout_s <= 0:
+            raise ConfigError("--kv-pull-timeout-s must be positive")
+        if not 0 <= self.kv_port < 65536:
+            raise ConfigError("--kv-port must be a port number")
         if self.stream_head not in ("first-token", "at-once"):
             raise ConfigError("--stream-head must be first-token or at-once")
         if self.replay_buffer <= 0:

@@ -14,6 +14,9 @@ from engine.block_manager import BlockManager, hash_seed
 from engine.config import EngineConfig
 from engine.kv_events import EventLog
 from engine.offload import TierManager
+from engine.pd.kv_io import export_blocks
+from engine.pd.leases import Lease, LeaseTable
+from engine.pd.params import KvTransferError
 from engine.runner import ModelRunner, RunnerConfig, ScheduledSeq, make_runner
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Request, Sequence, SequenceStatus
@@ -39,6 +42,8 @@ class RequestOutput:
     num_output_tokens: int
     #: Engine-time TTFT: modeled (sim) or measured (torch) compute and loads until the first token.
     engine_ttft_s: float | None = None
+    #: a finished prefill leg: the lease on its blocks (None: none granted, see engine.pd.leases)
+    kv_lease: Lease | None = None
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,11 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,
         )
+        # a prefill engine's blocks held for decode engines: at most half the GPU pool, so
+        # leases whose decode engine never comes cannot starve this engine's own requests
+        self.leases = LeaseTable(
+            self._release_blocks, lease_s=config.kv_lease_s, max_blocks=config.num_gpu_blocks // 2
+        )
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.prompt_tokens = 0
@@ -159,6 +169,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Complete finished copies, schedule, run one batch, and report new tokens."""
         self._poll()
+        self.leases.expire()
         sched = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
         if not sched.scheduled:
@@ -192,12 +203,55 @@ class LLMEngine:
                 seq.finish_reason = FinishReason.STOP
             elif seq.num_output_tokens >= seq.max_tokens:
                 seq.finish_reason = FinishReason.LENGTH
+            lease = None
             if seq.finish_reason is not None:
+                lease = self._hold(seq) if seq.kv_hold else None
                 self.scheduler.finish(seq)
                 self._seqs.pop(seq.request_id, None)
             outputs.append(self._output(seq, [token]))
+            outputs[-1].kv_lease = lease
         self._poll()
         return outputs
+
+    # ------------------------------------------------------------------ prefill/decode
+
+    def _hold(self, seq: Sequence) -> Lease | None:
+        """Lease a finished prefill's full prompt blocks that a decode engine may pull: all but
+        the block of the last prompt token, which the decode engine computes for its logits."""
+        k = (seq.num_prompt_tokens - 1) // self.config.block_size
+        return self.leases.grant(
+            seq.request_id,
+            tuple(seq.block_table[:k]),
+            tuple(self.bm.hash_blocks(seq)[:k]),
+            num_tokens=seq.num_prompt_tokens,
+            cached_tokens=seq.num_cached_tokens,
+            hold=self._pin_blocks,
+        )
+
+    def _pin_blocks(self, block_ids: tuple[int, ...]) -> None:
+        for bid in block_ids:
+            self.bm.pin(bid)
+
+    def _release_blocks(self, block_ids: tuple[int, ...]) -> None:
+        self.bm.free_blocks(block_ids)
+
+    def export_lease(
+        self, transfer_id: str, block_ids: list[int], first: int = 0
+    ) -> tuple[Lease, list[bytes]]:
+        """A decode engine's pull: the KV bytes of the lease's blocks from ``first`` on, and
+        its blocks released; the lease is gone whatever the outcome (a transfer is read once)."""
+        lease = self.leases.take(transfer_id)
+        try:
+            if tuple(block_ids) != lease.block_ids:
+                raise KvTransferError(
+                    f"transfer {transfer_id!r}: asked for {len(block_ids)} blocks "
+                    f"{block_ids[:4]}..., the lease holds {len(lease.block_ids)} other ones"
+                )
+            if not 0 <= first <= len(block_ids):
+                raise KvTransferError(f"transfer {transfer_id!r}: no block {first} to start at")
+            return lease, export_blocks(self.tiers, lease.block_ids[first:])
+        finally:
+            self.leases.done(lease)
 
     def wait_transfers(self) -> None:
         """Block until every pending copy completed and its effects were applied."""

@@ -36,6 +36,9 @@ __all__ = ["Delayed", "LoadItem", "LoadJob", "TierManager"]
 
 log = logging.getLogger("engine.offload")
 
+#: the tiers below GPU an engine loads back from (anything else came from another engine)
+_OWN_TIERS = ("CPU_PINNED", "DISK", "EXTERNAL")
+
 
 @dataclass
 class _StoreOp:
@@ -318,7 +321,7 @@ class TierManager:
     def _finish_load(self, job: LoadJob) -> None:
         assert self.host is not None
         for it in job.items:
-            self.loaded_blocks[it.tier] += 1
+            self.loaded_blocks[it.tier] = self.loaded_blocks.get(it.tier, 0) + 1
             if it.tier == "CPU_PINNED":
                 e = self.host.entries.get(it.meta.hash)
                 if e is not None:
@@ -326,7 +329,13 @@ class TierManager:
                     self.host.touch(it.meta.hash)
             else:
                 self.host.give_staging(it.slot)
-            self.bm.register_loaded(it.gpu_block, it.meta.hash, it.meta.parent, it.meta.token_ids)
+            new = self.bm.register_loaded(
+                it.gpu_block, it.meta.hash, it.meta.parent, it.meta.token_ids
+            )
+            if new and it.tier not in _OWN_TIERS and self.bm.store_hook is not None:
+                # a block from outside this engine (pulled from a prefill engine): no lower
+                # tier of it holds a copy, so write-through copies it down as a computed one
+                self.bm.store_hook(self.bm.blocks[it.gpu_block])
 
     # ------------------------------------------------------------------ completion
 

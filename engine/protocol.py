@@ -11,6 +11,8 @@ from typing import Any
 
 import msgspec
 
+from engine.pd.params import KVTransferParams
+
 __all__ = [
     "ChatRequest",
     "CompletionRequest",
@@ -43,6 +45,8 @@ class _Common(msgspec.Struct, kw_only=True):
     stop: str | list[str] | None = None
     n: int = 1
     ignore_eos: bool = False
+    #: vLLM's NIXL exchange (engine.pd): a prefill leg or a decode leg
+    kv_transfer_params: KVTransferParams | None = None
 
 
 class CompletionRequest(_Common, kw_only=True):

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.offload import LoadJob, TierManager
+from engine.pd.kv_io import stage_blocks
 from engine.sequence import Sequence, SequenceStatus
 from engine.tiers import BlockMeta
 
@@ -110,6 +111,10 @@ class Scheduler:
         max_hit = (seq.num_tokens - 1) // bs
         hit = bm.lookup(hashes[:max_hit])
         hit_free = sum(1 for b in hit if bm.blocks[b].ref_count == 0)
+        if seq.remote_kv is not None:
+            pulled = self._admit_remote(seq, hit, hit_free)
+            if pulled is not None:
+                return pulled
         if self.tiers.enabled and len(hit) < max_hit:
             plan = self.tiers.plan(hashes[len(hit) : max_hit])
             if plan and len(plan) + hit_free <= bm.num_free_blocks:
@@ -141,6 +146,44 @@ class Scheduler:
         self.running.append(seq)
         out.scheduled.append((seq, n))
         return n
+
+    def _admit_remote(self, seq: Sequence, hit: list[int], hit_free: int) -> int | None:
+        """A decode leg: load the pulled blocks this engine lacks (after its own GPU hit) through
+        staging slots, like a load-back; 0 (LOADING), -1 (not yet: too few free blocks, or too
+        few staging slots while loads in flight will give theirs back), or None to go on as a
+        local prefill (it holds them all already). More blocks than the engine has staging
+        slots: as many as there are, the rest computed here."""
+        bm, remote = self.bm, seq.remote_kv
+        assert remote is not None
+        start, end = len(hit), remote.first + len(remote.blocks)
+        if not remote.first <= start < end:
+            # it holds the whole pulled prefix already, or lost some of what it held when it
+            # pulled (evicted meanwhile): the gap is computed here, and so is the rest
+            seq.remote_kv = None
+            return None
+        if end - start + hit_free > bm.num_free_blocks:
+            return -1
+        host = self.tiers.host
+        if host is not None and host.num_free_staging < end - start and self.loading:
+            return -1
+        metas = [self._meta(seq, i) for i in range(start, end)]
+        items = stage_blocks(self.tiers, metas, remote.blocks[start - remote.first :])
+        if not items:
+            return None
+        seq.remote_kv = None  # the bytes are in staging now
+        bm.touch(hit)
+        for it, bid in zip(items, bm.allocate(len(items))):
+            it.gpu_block = bid
+        self._count_hit(seq, len(hit))  # the pulled blocks are no prefix-cache hit of this engine
+        # usage.cached_tokens: the prefill engine's own hit, as vLLM >= 0.32 reports it
+        seq.num_cached_tokens = max(seq.num_cached_tokens, remote.cached_tokens)
+        seq.block_table = hit + [it.gpu_block for it in items]
+        seq.num_computed_tokens = len(hit) * self.block_size
+        seq.num_registered_blocks = len(hit)
+        seq.status = SequenceStatus.LOADING
+        self.loading[seq.seq_id] = seq
+        self.tiers.start_load(seq.seq_id, items)
+        return 0
 
     def _meta(self, seq: Sequence, i: int) -> BlockMeta:
         h = seq.block_hashes[i]

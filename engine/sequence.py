@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from engine.runner.base import SamplingParams
 
-__all__ = ["FinishReason", "Request", "Sequence", "SequenceStatus"]
+__all__ = ["FinishReason", "RemoteKV", "Request", "Sequence", "SequenceStatus"]
 
 
 class SequenceStatus(enum.Enum):
@@ -25,6 +25,17 @@ class FinishReason(str, enum.Enum):
 
 
 @dataclass
+class RemoteKV:
+    """KV a decode engine pulled from a prefill engine (``engine.pd``): the bytes of the prompt's
+    full blocks ``[first, first + len(blocks))`` (it held the first ones already when it pulled),
+    and the prefill engine's own prefix hit."""
+
+    blocks: list[bytes]
+    first: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
 class Request:
     """What the server submits: already tokenized."""
 
@@ -33,6 +44,10 @@ class Request:
     max_tokens: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
     ignore_eos: bool = False
+    #: a prefill leg (``do_remote_decode``): lease the prompt's blocks when it finishes
+    kv_hold: bool = False
+    #: a decode leg (``do_remote_prefill``): the pulled prefix, loaded instead of computed
+    remote_kv: RemoteKV | None = None
 
 
 class Sequence:
@@ -46,6 +61,9 @@ class Sequence:
         self.max_tokens = req.max_tokens
         self.sampling = req.sampling
         self.ignore_eos = req.ignore_eos
+        self.kv_hold = req.kv_hold
+        #: dropped once staged (the bytes are held only until admission)
+        self.remote_kv = req.remote_kv
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         #: Positions whose KV is in the GPU blocks of ``block_table``.

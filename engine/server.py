@@ -19,13 +19,14 @@ from typing import Any
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from engine import sglang_compat
+from engine import cache_routes, sglang_compat
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.config import ServerSettings
 from engine.engine import InvalidRequestError, LLMEngine, RequestOutput
 from engine.metrics import EngineMetrics, cache_config_labels
+from engine.pd.legs import PdNode, PdRequestError
+from engine.pd.params import KvTransferError
 from engine.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -62,7 +63,7 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         cfg = settings.engine
         core = await asyncio.to_thread(core_factory or (lambda: LLMEngine(cfg)))
-        publisher = None
+        publisher, pd = None, None
         try:
             if settings.events:
                 publisher = EventPublisher(
@@ -74,6 +75,7 @@ def create_app(
                 )
             tokenizer = load_tokenizer(cfg.tokenizer or core.runner.tokenizer_path)
             engine = AsyncEngine(core, publisher)
+            pd = PdNode.of(engine, settings)
             model = cfg.model_name
             app.state.kv = EngineState(
                 settings,
@@ -84,9 +86,12 @@ def create_app(
                 ),
                 publisher,
                 model,
+                await pd.start(),
             )
             engine.start()
         except BaseException:
+            if pd is not None:
+                await pd.close()
             if publisher is not None:
                 publisher.close()
             core.close()
@@ -94,6 +99,7 @@ def create_app(
         try:
             yield
         finally:
+            await pd.close()
             await engine.stop()
             if publisher is not None:
                 publisher.close()
@@ -101,6 +107,7 @@ def create_app(
 
     app = FastAPI(title="kvrouter engine", lifespan=lifespan)
     app.include_router(sglang_compat.router)  # /model_info, /server_info for sglang-router
+    app.include_router(cache_routes.router)  # /metrics, /reset_prefix_cache, /debug/...
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> Response:
@@ -137,24 +144,6 @@ def create_app(
             "max_model_len": st.settings.engine.model_len,
         }
         return JSONResponse({"object": "list", "data": [card]})
-
-    @app.get("/metrics")
-    async def metrics(request: Request) -> Response:
-        return Response(
-            generate_latest(engine_state(request).metrics.registry), media_type=CONTENT_TYPE_LATEST
-        )
-
-    @app.post("/reset_prefix_cache")
-    async def reset(request: Request) -> Response:
-        await engine_state(request).engine.call(lambda core: core.reset_prefix_cache())
-        return JSONResponse({"status": "ok"})
-
-    @app.get("/debug/blocks")
-    async def blocks(request: Request) -> Response:
-        st = engine_state(request)
-        listing = await st.engine.call(lambda core: core.block_listing())
-        body = {tier: sorted(f"{h:016x}" for h in hs) for tier, hs in listing.items()}
-        return JSONResponse({"block_size": st.settings.engine.block_size, "tiers": body})
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
@@ -259,6 +248,12 @@ async def _serve(
     chat: bool,
 ) -> Response:
     req = _engine_request(st, body, ids)
+    try:
+        await st.pd.prepare(body.kv_transfer_params, req, body.stream)
+    except PdRequestError as exc:
+        raise ApiError(400, str(exc)) from exc
+    except KvTransferError as exc:  # --kv-load-failure-policy fail, vLLM's 500
+        raise ApiError(500, f"KV load failed: {exc}", "internal_server_error") from exc
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     start = time.monotonic()
     outputs = st.engine.generate(req)
@@ -270,7 +265,7 @@ async def _serve(
         gen = _stream(st, req.request_id, first, outputs, stops, chat, include_usage, start)
         return StreamingResponse(gen, media_type="text/event-stream")
     assert first is not None
-    return await _until_done(request, st, req.request_id, first, outputs, stops, chat, start)
+    return await _until_done(request, st, req, first, outputs, stops, chat, start)
 
 
 async def _first(
@@ -304,7 +299,7 @@ async def _collect_text(
 async def _until_done(
     request: Request,
     st: EngineState,
-    rid: str,
+    req: EngineRequest,
     first: RequestOutput,
     outputs: AsyncIterator[RequestOutput],
     stops: list[str],
@@ -337,7 +332,10 @@ async def _until_done(
     use = usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
     st.metrics.e2e.observe(time.monotonic() - start)
     build = chat_response if chat else completion_response
-    return JSONResponse(build(rid, st.model, stop.text, finish, use))
+    answer = build(req.request_id, st.model, stop.text, finish, use)
+    if req.kv_hold and (kv := st.pd.answer_params(last)) is not None:
+        answer["kv_transfer_params"] = kv  # a prefill leg: where its blocks wait
+    return JSONResponse(answer)
 
 
 async def _stream(

@@ -15,6 +15,7 @@ from fastapi import Request
 from engine.async_engine import AsyncEngine
 from engine.config import ServerSettings
 from engine.metrics import EngineMetrics
+from engine.pd.legs import PdNode
 from engine.publisher import EventPublisher
 from engine.tokenizer import Tokenizer
 
@@ -29,6 +30,7 @@ class EngineState:
     metrics: EngineMetrics
     publisher: EventPublisher | None
     model: str
+    pd: PdNode
 
     @property
     def events_endpoint(self) -> str | None:

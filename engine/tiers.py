@@ -141,6 +141,10 @@ class HostPool:
         self._free.append(e.slot)
         return e
 
+    @property
+    def num_free_staging(self) -> int:
+        return len(self._free_staging)
+
     def take_staging(self) -> int | None:
         return self._free_staging.pop() if self._free_staging else None
 

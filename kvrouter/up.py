@@ -4,7 +4,9 @@ The router's port is tried first: one in use fails at once, in one line, exit st
 (:class:`router.errors.ListenError`'s). Engines start then, each on free loopback ports (HTTP, events, replay) with a CPU_PINNED tier
 and an EXTERNAL pool shared through one temporary directory (or ``--external redis://...``);
 each prints its ready line with the bound addresses. Then the router starts with one ``--worker``
-spec per engine (``pool=local``: EXTERNAL hits of one count for all). The router URL is printed
+spec per engine (``pool=local``: EXTERNAL hits of one count for all). ``--pd P:D`` starts P
+engines ``--role prefill`` and D ``--role decode`` instead, each spec with its ``role=``: the
+router splits requests between them over vLLM's NIXL exchange, which the engines speak. The router URL is printed
 once it listens. Ctrl-C or SIGTERM stops everything; if any child dies, the rest are stopped too
 and the exit status is 1.
 """
@@ -126,6 +128,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--workers", type=int, default=2, help="number of engines (default 2)")
     p.add_argument(
+        "--pd",
+        metavar="P:D",
+        type=_pd_ratio,
+        help="a prefill/decode fleet instead: P engines --role prefill, D --role decode, each "
+        "known to the router by its role (vLLM's NIXL exchange; replaces --workers)",
+    )
+    p.add_argument(
+        "--pd-mode",
+        choices=("threshold", "cost", "always", "never"),
+        help="the router's pd.mode (default: its own setting, threshold)",
+    )
+    p.add_argument(
         "--runner",
         default="sim",
         choices=("sim", "torch"),
@@ -178,6 +192,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _pd_ratio(value: str) -> tuple[int, int]:
+    p, sep, d = value.partition(":")
+    if not (sep and p.isdigit() and d.isdigit() and int(p) >= 1 and int(d) >= 1):
+        raise argparse.ArgumentTypeError(f"--pd takes P:D, two counts >= 1 (got {value!r})")
+    return int(p), int(d)
+
+
 def _child_env() -> dict[str, str]:
     # children import engine/router from the same tree as this kvrouter, installed or not
     env = dict(os.environ)
@@ -210,10 +231,13 @@ def engine_argv(
     ]  # fmt: skip
 
 
-def worker_spec(name: str, ready: re.Match[str], pool: str | None = None) -> str:
+def worker_spec(
+    name: str, ready: re.Match[str], pool: str | None = None, role: str | None = None
+) -> str:
     """The router's ``--worker`` spec for an engine, from its ENGINE_READY line."""
     url, events, replay = ready.groups()
     spec = f"id={name},url={url},events={events}" + (f",pool={pool}" if pool else "")
+    spec += f",role={role}" if role else ""
     return spec + (f",replay={replay}" if replay != "none" else "")
 
 
@@ -318,7 +342,12 @@ def _run(args: argparse.Namespace, tmp: Path, children: list[Child], stop: threa
         else ["--external-dir", args.external_dir or str(tmp / "external")]
     )
     extra = [*shared, *(["--model", args.model] if args.model else []), *args.engine_arg]
-    for i in range(args.workers):
+    # a PD fleet: P prefill engines (prefill-0...), then D decode engines (decode-0...)
+    roles = ["prefill"] * args.pd[0] + ["decode"] * args.pd[1] if args.pd else []
+    names = [f"{r}-{roles[:i].count(r)}" for i, r in enumerate(roles)] or [
+        f"engine-{i}" for i in range(args.workers)
+    ]
+    for i, name in enumerate(names):
         argv = engine_argv(
             i,
             runner=args.runner,
@@ -326,12 +355,17 @@ def _run(args: argparse.Namespace, tmp: Path, children: list[Child], stop: threa
             gpu_blocks=args.gpu_blocks,
             cpu_blocks=args.cpu_blocks,
             speedup=args.speedup,
-            extra=extra,
+            extra=[*extra, *(["--role", roles[i]] if roles else [])],
         )
-        children.append(spawn(f"engine-{i}", argv))
+        children.append(spawn(name, argv))
     specs = [  # they start in parallel; collect their bound addresses
-        worker_spec(c.name, c.wait_line(ENGINE_READY, args.ready_timeout, stop), pool="local")
-        for c in children
+        worker_spec(
+            c.name,
+            c.wait_line(ENGINE_READY, args.ready_timeout, stop),
+            pool="local",
+            role=roles[i] if roles else None,
+        )
+        for i, c in enumerate(children)
     ]
     router_cmd = router_argv(
         specs,
@@ -340,10 +374,12 @@ def _run(args: argparse.Namespace, tmp: Path, children: list[Child], stop: threa
         block_size=args.block_size,
         admin_key_file=args.admin_key_file,
     )
-    router = spawn("router", router_cmd)
+    env = {"KVROUTER_PD__MODE": args.pd_mode} if args.pd_mode else None
+    router = spawn("router", router_cmd, env=env)
     children.append(router)
     router_url = router.wait_line(ROUTER_READY, args.ready_timeout, stop).group(1)
-    print(f"kvrouter up: router {router_url} with {args.workers} engines", flush=True)
+    fleet = f"{args.pd[0]} prefill + {args.pd[1]} decode" if args.pd else str(args.workers)
+    print(f"kvrouter up: router {router_url} with {fleet} engines", flush=True)
     print(
         f"  try: curl {router_url}/v1/chat/completions -H 'Content-Type: application/json' "
         """-d '{"messages":[{"role":"user","content":"Hello"}],"max_tokens":16}'""",

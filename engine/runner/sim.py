@@ -12,7 +12,9 @@ model in bf16 on one mid-range GPU, override with runner options of the same nam
   (a 100k-token batch adds 2 ms to an 8 ms step);
 * a host↔GPU copy of ``k`` blocks: ``k·block_bytes / cpu_gbps + cpu_latency_ms``; a DISK/EXTERNAL
   read: ``bytes / {disk,external}_gbps + {disk,external}_latency_ms`` (``io_delay``), with
-  ``block_bytes = kv_bytes_per_token · block_size``.
+  ``block_bytes = kv_bytes_per_token · block_size``; a decode engine's pull of ``k`` blocks from a
+  prefill engine (tier ``REMOTE``, :mod:`engine.pd`): ``k·block_bytes / transfer_gbps +
+  transfer_latency_ms``.
 
 KV bytes: each GPU block and host slot holds a small payload — a digest chained over the tokens
 of every block up to it, as real KV depends on the whole prefix. ``execute`` checks the payload of
@@ -62,6 +64,9 @@ SIM_DEFAULTS: dict[str, float] = {
     "disk_latency_ms": 0.1,
     "external_gbps": 1.25,
     "external_latency_ms": 0.5,
+    # a prefill→decode KV pull (engine.pd): a 100 Gb/s link, plus the handshake
+    "transfer_gbps": 12.5,
+    "transfer_latency_ms": 1.0,
     "token_min": 32.0,
     "token_max": 126.0,
     # prompt ids the sim accepts (any tokenizer's); it only ever emits [token_min, token_max]
@@ -155,7 +160,9 @@ class SimRunner(ModelRunner):
 
     def copy_s(self, num_blocks: int, tier: str = "CPU_PINNED") -> float:
         """Modeled seconds to move ``num_blocks`` between GPU and ``tier``."""
-        key = {"CPU_PINNED": "cpu", "DISK": "disk", "EXTERNAL": "external"}[tier]
+        key = {"CPU_PINNED": "cpu", "DISK": "disk", "EXTERNAL": "external", "REMOTE": "transfer"}[
+            tier
+        ]
         nbytes = num_blocks * self.modeled_block_bytes
         return nbytes / (self.p[f"{key}_gbps"] * 1e9) + self.p[f"{key}_latency_ms"] / 1e3
 
@@ -278,6 +285,6 @@ class SimRunner(ModelRunner):
         self._host[slot] = bytes(data)
 
     def io_delay(self, tier: str, num_bytes: int, *, write: bool = False) -> float:
-        if write or tier not in ("DISK", "EXTERNAL"):
+        if write or tier not in ("DISK", "EXTERNAL", "REMOTE"):
             return 0.0
         return self.copy_s(-(-num_bytes // self.kv_block_bytes), tier)

@@ -19,6 +19,7 @@ import httpx
 import openai
 import pytest
 
+from tests.unit.engine.pd_helpers import gpu_stores
 from tests.waiting import poll
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -201,3 +202,68 @@ def test_the_admin_key_file_reaches_the_router(tmp_path: Path) -> None:
                 os.killpg(proc.pid, signal.SIGKILL)  # nothing should be left; make sure
             if proc.stdout is not None:
                 proc.stdout.close()
+
+
+def test_a_pd_fleet_serves_a_chat_through_a_real_kv_transfer(tmp_path: Path) -> None:
+    """``kvrouter up --pd 1:2``: the router sends the prefill leg to the prefill engine and the
+    decode leg to a decode engine, which pulls the blocks (its own events show them) and
+    releases the prefill engine's lease."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    log_path = tmp_path / "up.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [*_command(), "up", "--pd", "1:2", "--pd-mode", "always", "--port", "0",
+             "--speedup", "10"],
+            stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=ROOT,
+            start_new_session=True,
+        )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        url = next(
+            (m.group(1) for line in proc.stdout if (m := re.search(r"router (http://\S+)", line))),
+            None,
+        )
+        assert url, log_path.read_text()
+        # the engines' ready lines, echoed before the router started
+        engines = {
+            m.group(1): (m.group(2), m.group(3))
+            for m in re.finditer(
+                r"\[(\S+)\] kvrouter engine ready http=(\S+) events=\S+ replay=(\S+)",
+                log_path.read_text(),
+            )
+        }
+        assert sorted(engines) == ["decode-0", "decode-1", "prefill-0"]
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        messages: Any = [{"role": "user", "content": "Why split prefill from decode? " * 4}]
+        raw = client.chat.completions.with_raw_response.create(
+            model="kvrouter-sim", messages=messages, max_tokens=8, temperature=0
+        )
+        client.close()
+        answer = raw.parse()
+        assert raw.headers["x-kvrouter-pd"] == "remote"
+        assert raw.headers["x-kvrouter-prefill-worker"] == "prefill-0"
+        decode = raw.headers["x-kvrouter-worker"]
+        assert decode in ("decode-0", "decode-1") and answer.choices[0].message.content
+        d_url, d_replay = engines[decode]
+        ids = httpx.post(d_url + "/tokenize", json={"messages": messages}, timeout=10).json()
+        ids = ids["tokens"]
+        pulled = (len(ids) - 1) // BS
+        side = httpx.get(d_url + "/debug/kv_transfers", timeout=10).json()
+        assert side["pulls"] == {"pulled": 1, "failed": 0, "recomputed": 0}
+        assert side["loaded_blocks"] == pulled > 0
+        # BlockStored(GPU) for every pulled block, its tokens those of the prompt
+        stored = gpu_stores(d_replay)
+        assert stored[:pulled] == [ids[i * BS : (i + 1) * BS] for i in range(pulled)]
+        p_side = httpx.get(engines["prefill-0"][0] + "/debug/kv_transfers", timeout=10).json()
+        assert p_side["served"] == 1
+        assert p_side["leases"]["held"] == 0 and p_side["leases"]["ended"]["pulled"] == 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        if proc.stdout is not None:
+            proc.stdout.close()
