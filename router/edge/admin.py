@@ -14,11 +14,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
 from starlette.responses import Response
 
+from indexer.events import CANONICAL_TIERS
 from router.edge.bodies import WorkerIn, decode, encode, read_body
 from router.errors import BadRequest, Forbidden, NotFound, require_bearer
 from router.runtime import Runtime
 from router.runtime.replicas import SNAPSHOT_TYPE
 from router.settings import WorkerConfig
+from router.types import WorkerKey
 
 __all__ = [
     "add_worker",
@@ -106,6 +108,7 @@ def _worker_view(state: Runtime, worker_id: str) -> dict[str, Any]:
                 "inflight_requests": ld.requests if ld is not None else 0,
                 "inflight_prefill_blocks": ld.inflight_prefill if ld is not None else 0.0,
                 "active_blocks": ld.active_blocks if ld is not None else 0,
+                **_kv_size(state, key),
             }
         )
     return {
@@ -130,6 +133,21 @@ def _worker_view(state: Runtime, worker_id: str) -> dict[str, Any]:
         "events_stale": state.registry.events_stale(st, since),
         "ranks": ranks,
     }
+
+
+def _kv_size(state: Runtime, key: WorkerKey) -> dict[str, Any]:
+    """A rank's KV ``capacity`` in engine blocks per tier as it reported it (None: not known,
+    its index entries then capped by the default) and its engine ``page`` size when its events'
+    block size differs from the router's (0: the same, or no event yet)."""
+    try:
+        rec = state.index.worker(key)
+    except KeyError:  # (not in the index yet)
+        return {"capacity": None, "page": 0}
+    cap = rec.capacity
+    named = (
+        {CANONICAL_TIERS[t]: n for t, n in cap.items() if t < len(CANONICAL_TIERS)} if cap else None
+    )
+    return {"capacity": named, "page": rec.page}
 
 
 async def list_workers(request: Request) -> Response:
