@@ -1,5 +1,6 @@
 """The ``kvrouter`` command: ``serve`` (the router), ``engine`` (the bundled engine), ``up`` (both),
-``replay`` (routing quality on a trace), ``route`` and ``workers`` (a running router asked).
+``replay`` (routing quality on a trace), ``route``, ``workers`` and ``check`` (a running router
+asked).
 
 Imports are lazy: ``kvrouter serve`` never loads the engine, ``kvrouter engine`` never loads the
 router.
@@ -24,6 +25,8 @@ commands:
   replay   replay a trace through every routing policy (kvrouter replay --help)
   route    where a running router would send a request, and why (kvrouter route --help)
   workers  a running router's workers and their event streams (kvrouter workers --help)
+  check    are a running router's workers seen as they are: events, capacity, tokenizer
+           and block size agreement (kvrouter check --help)
 
 options:
   -h, --help     show this help and exit
@@ -56,6 +59,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvrouter.replay.cli import main as replay_main
 
         return replay_main(rest)
+    if cmd == "check":
+        from kvrouter.check import main as check_main
+
+        return check_main(rest)
     if cmd in ("route", "workers"):
         from kvrouter.client import main as client_main
 

@@ -125,17 +125,27 @@ def _key(path: str | None, setting: str, env: str) -> str | None:
     return got["admin_key"] if setting == "admin_key_file" else got["api_keys"][0]
 
 
+_CLIENT_HINT = "give a client key in OPENAI_API_KEY or --api-key-file"
 _HINTS = {
-    "/route": "give a client key in OPENAI_API_KEY or --api-key-file",
+    "/route": _CLIENT_HINT,
+    "/v1/completions": _CLIENT_HINT,
     "/workers": "give the admin key in KVROUTER_ADMIN_KEY or --admin-key-file",
 }
 
 
 def _ask(
-    url: str, method: str, path: str, key: str | None, timeout: float, body: bytes | None = None
+    url: str,
+    method: str,
+    path: str,
+    key: str | None,
+    timeout: float,
+    body: bytes | None = None,
+    *,
+    headers: Mapping[str, str] | None = None,
 ) -> tuple[Any, Mapping[str, str]]:
-    """The router's JSON answer to one request, and its headers; :class:`AskError` otherwise."""
-    headers = {"content-type": "application/json"}
+    """The router's JSON answer to one request (``headers``: more to send), and its headers;
+    :class:`AskError` otherwise."""
+    headers = {"content-type": "application/json", **(headers or {})}
     if key:
         headers["authorization"] = f"Bearer {key}"
     where = url.rstrip("/") + path
@@ -157,7 +167,7 @@ def _ask(
         err = answer.get("error") if isinstance(answer, dict) else None
         message = err.get("message") if isinstance(err, dict) else resp.text[:200].strip()
         line = f"{path}: {resp.status_code} {message}"
-        if resp.status_code == 401:  # (403: the router's own message says what to configure)
+        if resp.status_code == 401 and path in _HINTS:  # (403: the router's message says)
             line += f" ({_HINTS[path]})"
         raise AskError(line)
     if answer is None:

@@ -16,6 +16,7 @@ from starlette.responses import Response
 
 from router.edge.bodies import WorkerIn, decode, encode, read_body
 from router.errors import BadRequest, Forbidden, NotFound, require_bearer
+from router.fleet.capacity import Capacity
 from router.runtime import Runtime
 from router.runtime.replicas import SNAPSHOT_TYPE
 from router.settings import WorkerConfig
@@ -97,7 +98,8 @@ def _worker_view(state: Runtime, worker_id: str) -> dict[str, Any]:
     cfg = st.config
     since = state.subscriber.seconds_since_last_message(cfg.id)
     ranks = []
-    for key in st.keys:
+    caps = st.kv_capacity or [None] * len(st.keys)
+    for key, cap in zip(st.keys, caps):
         ws = stats.get(key)
         ld = state.placer.load.get(key)
         ranks.append(
@@ -108,6 +110,7 @@ def _worker_view(state: Runtime, worker_id: str) -> dict[str, Any]:
                 "inflight_requests": ld.requests if ld is not None else 0,
                 "inflight_prefill_blocks": ld.inflight_prefill if ld is not None else 0.0,
                 "active_blocks": ld.active_blocks if ld is not None else 0,
+                **_kv_size(state, key, cap),
             }
         )
     return {
@@ -139,6 +142,17 @@ def _worker_view(state: Runtime, worker_id: str) -> dict[str, Any]:
 def _source(state: Runtime, key: WorkerKey) -> str:
     """Where the rank's index entries come from: its KV events, or what the router sent it."""
     return "approximate" if state.index.approximate(key) else "events"
+
+
+def _kv_size(state: Runtime, key: WorkerKey, capacity: Capacity | None) -> dict[str, Any]:
+    """A rank's KV ``capacity`` in engine blocks per tier as the worker reported it (None: not
+    known; its index entries are then capped by the default) and its engine ``page`` size when
+    its events' block size differs from the router's (0: the same, or no event yet)."""
+    try:
+        page = state.index.worker(key).page
+    except KeyError:  # (not in the index yet)
+        page = 0
+    return {"capacity": capacity, "page": page}
 
 
 async def list_workers(request: Request) -> Response:

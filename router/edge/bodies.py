@@ -153,6 +153,9 @@ class RouteOut(msgspec.Struct, omit_defaults=True, gc=False):
     #: deprecated name of ``matched_blocks`` (same value), kept for old clients: the README's
     #: "Changes" lists it
     cached_blocks: int = 0
+    #: the prompt's length in the router's tokens (what its blocks are of; a worker whose
+    #: tokenizer differs counts another length: ``kvrouter check`` compares)
+    prompt_tokens: int = 0
     route_id: str | None = None
     #: a disaggregated fleet's decision and legs
     pd: PdOut | None = None

@@ -7,7 +7,8 @@ checks, the same pick and the same ``x-kvrouter-*`` headers whichever way it cam
   tries to steer a KV transfer) and its prompt tokens;
 - :func:`enter`: admit (the placement core's in-flight count, 429 past ``proxy.max_inflight``),
   decode, place and pick (503 when no worker can take it), as an :class:`Entry`;
-- :func:`pick_headers`: what a pick says to the client; :func:`why` why it went there (opt-in).
+- :func:`pick_headers`: what a pick says to the client; :func:`why` why it went there (opt-in);
+- :func:`pinned`: a request the admin pins to one worker (``x-kvrouter-worker``).
 
 The door decides nothing itself: the placement core's :meth:`router.placement.Placer.pick` does;
 each door then executes the pick (the proxy's legs: :mod:`router.edge.pd_flow`).
@@ -16,6 +17,7 @@ each door then executes the pick (the proxy's legs: :mod:`router.edge.pd_flow`).
 from __future__ import annotations
 
 import re
+import secrets
 from collections.abc import Callable
 from typing import Any
 
@@ -28,11 +30,27 @@ from router.edge.bodies import (
     decode,
 )
 from router.edge.legs import check_unsteered
-from router.errors import BadRequest, require_bearer
+from router.errors import BadRequest, Forbidden, NotFound, Unauthorized, require_bearer
 from router.placement import Admission, Choice, Pick, WorkerView
 from router.runtime import Runtime
 
-__all__ = ["Entry", "authorize", "enter", "pick_headers", "request_tokens", "why"]
+__all__ = [
+    "ADMIN_KEY_HEADER",
+    "PIN_HEADER",
+    "Entry",
+    "authorize",
+    "enter",
+    "pick_headers",
+    "pinned",
+    "request_tokens",
+    "why",
+]
+
+#: a request header naming the worker that must serve the request (the answer's header of the
+#: same name names the one that did): the admin's, with :data:`ADMIN_KEY_HEADER`
+PIN_HEADER = "x-kvrouter-worker"
+#: the admin key beside a pin: ``authorization`` may carry the client key (``api_keys``)
+ADMIN_KEY_HEADER = "x-kvrouter-admin-key"
 
 
 def authorize(state: Runtime, authorization: str | None, what: str) -> None:
@@ -40,6 +58,36 @@ def authorize(state: Runtime, authorization: str | None, what: str) -> None:
     keys = state.settings.api_keys
     if keys:
         require_bearer(authorization, keys, what)
+
+
+def pinned(
+    state: Runtime, header: Callable[[str], str | None]
+) -> Callable[[WorkerView], bool] | None:
+    """The workers a request pinned with ``x-kvrouter-worker: ID`` may go to (its ranks), None
+    when not pinned. ``kvrouter check`` probes each worker so: the router then hashes, predicts
+    and accounts the request as any other, and compares the worker's reported cache. Only the
+    admin may pin (a client choosing its worker defeats the placement, and would learn the
+    fleet's ids): the admin key in ``x-kvrouter-admin-key`` (401 without it), unless the admin
+    endpoints are open (``admin_open``); 403 with no admin key configured, 404 for an unknown
+    worker. A pinned request is never retried elsewhere: only that worker is eligible."""
+    worker_id = header(PIN_HEADER)
+    if worker_id is None:
+        return None
+    key = state.settings.admin_key
+    if key:
+        given = (header(ADMIN_KEY_HEADER) or "").strip().encode()
+        if not secrets.compare_digest(given, key.encode()):
+            raise Unauthorized(
+                f"{PIN_HEADER} (a pinned request) needs {ADMIN_KEY_HEADER}: <admin key>"
+            )
+    elif not state.settings.admin_open:
+        raise Forbidden(
+            f"{PIN_HEADER} (a pinned request) is the admin's: configure admin_key (or admin_open: "
+            "true on a trusted network)"
+        )
+    if worker_id not in state.registry.workers:
+        raise NotFound(f"no worker {worker_id!r} (its id, as GET /workers lists it)")
+    return lambda st: st.config.id == worker_id
 
 
 async def request_tokens(state: Runtime, endpoint: str, body: bytes) -> tuple[Any, list[int], bool]:

@@ -7,6 +7,8 @@
 - The client's body is forwarded byte for byte (the router never adds ``stream_options``), but
   for a disaggregated request's legs (:mod:`router.edge.legs`); only registered worker URLs are
   ever called.
+- Pinned (``x-kvrouter-worker`` with the admin key, :func:`router.edge.door.pinned`): only that
+  worker may serve it, so it is never retried on another.
 - Retry: a connection failure, a timeout before the response head, or a 502/503/504 moves the
   request to the next best worker — only while nothing was sent to the client. Afterwards an
   upstream failure aborts the client's connection (a truncated stream, never a fake end).
@@ -35,7 +37,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.types import Receive, Scope, Send
 
 from router.edge.bodies import read_body
-from router.edge.door import Entry, enter, pick_headers
+from router.edge.door import Entry, enter, pick_headers, pinned
 from router.edge.legs import apply, decode_patch
 from router.edge.pd_flow import PrefillAnswer, Sibling, SiblingFailed, prefill_first
 from router.edge.usage import UsageScan, cached_tokens_of
@@ -111,7 +113,8 @@ async def proxy_request(
     """Proxy one request (``endpoint``: ``completions`` or ``chat``) and write the answer to
     ``out``. Raises :class:`RouterError` only before anything was written. Cancelling the task
     (the client went away) closes the upstream exchange and counts ``client_disconnect``."""
-    entry = await enter(state, endpoint, body, header("authorization"))
+    eligible = pinned(state, header)
+    entry = await enter(state, endpoint, body, header("authorization"), eligible=eligible)
     try:
         await _serve(state, entry, _forwarded(state, header), out, t0)
     finally:

@@ -94,6 +94,7 @@ def _answer(
         request_blocks=d.n,
         matched_blocks=c.matched_blocks,
         cached_blocks=c.matched_blocks,
+        prompt_tokens=d.tokens,
         candidates=[
             CandidateOut(
                 x.key[0],

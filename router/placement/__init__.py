@@ -9,10 +9,13 @@ proxy, ``kvrouter replay`` and the benchmarks all call one :class:`Placer` as it
   count), :class:`RouteAccounts`;
 - ``load``: the load ledger and its tickets; ``predict``: predicted blocks against herding;
 - ``scoring``: the cost formula, pure functions;
+- ``agreement``: does a worker's reported cache agree with the index (``kvrouter check``, the
+  closed loop);
 - ``remote``: what peer replicas placed, applied as remote tickets (replica sync);
 - ``ports``: what the core reads and reports to, as protocols.
 """
 
+from router.placement.agreement import AgreementEstimator, Comparison, Observation, Verdict, compare
 from router.placement.config import PlacementSettings
 from router.placement.flight import Admission, Flight, RouteAccounts
 from router.placement.load import LoadLedger, Ticket, TicketState
@@ -44,7 +47,9 @@ __all__ = [
     "NO_METRICS",
     "REMOTE",
     "Admission",
+    "AgreementEstimator",
     "Choice",
+    "Comparison",
     "Decision",
     "Ended",
     "EventLog",
@@ -52,6 +57,7 @@ __all__ = [
     "FleetView",
     "Flight",
     "LoadLedger",
+    "Observation",
     "Pick",
     "Placed",
     "PlacementListener",
@@ -64,7 +70,9 @@ __all__ = [
     "Ticket",
     "TicketState",
     "TokenSource",
+    "Verdict",
     "WorkerView",
     "cached_tokens",
+    "compare",
     "placed_event",
 ]

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from router.errors import NoHealthyWorker
+from router.placement.agreement import reusable_tokens
 from router.placement.decision import Decision
 from router.placement.ports import WorkerView
 from router.placement.scoring import Candidate, ScoreWeights
@@ -102,7 +103,7 @@ class Pick:
 def cached_tokens(cand: Candidate, tokens: int, block_size: int) -> int:
     """Prompt tokens a rank can reuse: whole matched blocks, never the last prompt token (an
     engine always computes it)."""
-    return min(cand.matched_blocks, max(0, tokens - 1) // block_size) * block_size
+    return reusable_tokens(cand.matched_blocks, tokens, block_size)
 
 
 def pick(

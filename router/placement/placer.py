@@ -28,6 +28,7 @@ from indexer.events import CANONICAL_TIERS
 from indexer.hashing import request_seed
 from indexer.index import PrefixIndex, WorkerMatch
 from router.errors import BadRequest, TooManyRequests
+from router.placement.agreement import reusable_tokens
 from router.placement.config import PlacementSettings
 from router.placement.decision import Decision
 from router.placement.flight import Admission, Flight, RouteAccounts
@@ -311,10 +312,7 @@ class Placer:
             t0 = self.timer()
         c = d.candidates[i]
         ticket = self.commit(d, i, kind=kind, remote_prefill=leg == "decode")
-        # engines (vLLM, the bundled one) always compute at least the last prompt token, so a
-        # prompt of exactly k blocks reuses at most k - 1 of them
-        bs = d.block_size
-        predicted_tokens = min(c.matched_blocks, max(0, d.tokens - 1) // bs) * bs
+        predicted_tokens = reusable_tokens(c.matched_blocks, d.tokens, d.block_size)
         f = Flight(
             self.load,
             self.metrics,
