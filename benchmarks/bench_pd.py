@@ -10,7 +10,7 @@ Run (nothing else should be running; times on the 2-core dev machine):
 Issue 34's target: the latency the PD path adds over its two legs sent directly is within twice
 the proxy's own overhead, at p50 and at p99.
 
-Everything is real and on 127.0.0.1: two workers (this file with ``--serve-worker prefill`` /
+Everything is real and on 127.0.0.1: two workers (``benchmarks/pd_worker.py prefill`` /
 ``decode``: a bare uvloop + httptools server with fixed answers, no model, and a KV event socket
 that publishes nothing) speak vLLM's NIXL exchange (``shared/research/pd-peers.md`` §1): the
 prefill worker answers a leg carrying ``kv_transfer_params.do_remote_decode`` with one token and
@@ -43,16 +43,11 @@ read its PD-added figure as a lower bound.
 from __future__ import annotations
 
 import argparse
-import os
-import re
-import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -60,8 +55,11 @@ import msgspec
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-MODEL = "bench"
+from pd_client import Client, get, spawn  # noqa: E402
+from pd_worker import MODEL  # noqa: E402
+
 WAYS = ("a", "b", "c", "d")
 NAMES = {
     "a": "(a) direct PD, P leg + D leg",
@@ -80,203 +78,6 @@ NIXL_PREFILL = {
 }
 _enc = msgspec.json.Encoder().encode
 _dec = msgspec.json.Decoder(dict[str, Any]).decode
-
-
-# --------------------------------------------------------------------------- the workers
-
-
-def answers(role: str) -> tuple[bytes, bytes]:
-    """A worker's fixed answers (JSON, SSE): vLLM's shapes, the prefill one with its params."""
-    usage = {"prompt_tokens": 250, "completion_tokens": 16, "total_tokens": 266,
-             "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
-    head = {"id": "cmpl-bench-0", "object": "text_completion", "created": 0, "model": MODEL}
-    choice = {"index": 0, "text": " ok" * 16, "finish_reason": "length", "logprobs": None}
-    answer: dict[str, Any] = {**head, "choices": [choice], "usage": usage}
-    if role == "prefill":
-        answer["choices"] = [{**choice, "text": " ok"}]
-        answer["usage"] = {**usage, "completion_tokens": 1, "total_tokens": 251}
-        answer["kv_transfer_params"] = {
-            "do_remote_prefill": True, "do_remote_decode": False,
-            "remote_engine_id": "5c1f1a7e-9a43-4f0e-8d3b-0c2b7a1f9e11",
-            "remote_request_id": "cmpl-bench-0-842b3065",
-            "remote_block_ids": [list(range(1, 17))], "remote_host": "127.0.0.1",
-            "remote_port": 15600, "tp_size": 1, "dcp_size": 1, "pp_size": 1,
-            "remote_num_tokens": 250, "remote_blocks_expiry_time": None,
-            "transfer_mode": "pull", "remote_prefill_cached_tokens": 0,
-        }  # fmt: skip
-    pieces = [{**head, "choices": [{**choice, "text": " ok", "finish_reason": None}]}] * 16
-    pieces.append({**head, "choices": [], "usage": usage})
-    sse = b"".join(b"data: %s\n\n" % _enc(p) for p in pieces) + b"data: [DONE]\n\n"
-    return _enc(answer), sse
-
-
-def serve_worker(role: str) -> None:
-    """The bare worker (``role``: prefill or decode): fixed answers, ``GET /last`` the last POST
-    body it got; a leg that does not fit its role is answered 400."""
-    import asyncio
-
-    import httptools
-    import uvloop
-    import zmq
-
-    pub: Any = zmq.Context.instance().socket(
-        zmq.PUB
-    )  # silent: the router is ready once it connects
-    pub.bind("tcp://127.0.0.1:*")
-    events = pub.getsockopt_string(zmq.LAST_ENDPOINT)
-    answer, sse = answers(role)
-    models = _enc({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
-    last = [b"{}"]
-
-    class Proto(asyncio.Protocol):
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            self.transport: asyncio.Transport = transport  # type: ignore[assignment]
-            self.parser = httptools.HttpRequestParser(self)
-            self.body: list[bytes] = []
-            self.url = b""
-
-        def data_received(self, data: bytes) -> None:
-            self.parser.feed_data(data)
-
-        def on_url(self, url: bytes) -> None:
-            self.url = url
-
-        def on_body(self, body: bytes) -> None:
-            self.body.append(body)
-
-        def on_message_complete(self) -> None:
-            body, self.body = b"".join(self.body), []
-            if self.parser.get_method() != b"POST":
-                got = {b"/last": last[0], b"/v1/models": models}.get(self.url, b"{}")
-                return self.reply(200, b"application/json", got)
-            last[0] = body
-            if role == "prefill":
-                ok = b'"do_remote_decode":true' in body and b'"stream":false' in body
-            else:
-                ok = b'"kv_transfer_params"' not in body or b'"do_remote_prefill":true' in body
-            if not ok:
-                return self.reply(400, b"application/json", b'{"error":"not this role\'s leg"}')
-            if b'"stream":true' in body:
-                return self.reply(200, b"text/event-stream", sse)
-            self.reply(200, b"application/json", answer)
-
-        def reply(self, status: int, ctype: bytes, data: bytes) -> None:
-            head = b"HTTP/1.1 %d OK\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n"
-            self.transport.write(head % (status, ctype, len(data)) + data)
-
-    async def main() -> None:
-        server = await asyncio.get_running_loop().create_server(Proto, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        print(f"worker http://127.0.0.1:{port} events={events}", flush=True)
-        await server.serve_forever()
-
-    uvloop.run(main())
-
-
-# --------------------------------------------------------------------------- processes, client
-
-
-def spawn(
-    args: list[str], pattern: str, env: dict[str, str] | None = None
-) -> tuple[subprocess.Popen[str], re.Match[str]]:
-    """A child process, once it printed ``pattern`` (its match)."""
-    full = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env=full, cwd=str(ROOT))
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        m = re.search(pattern, line)
-        if m:  # (read on, so that a chatty child never blocks on a full pipe)
-            drain = threading.Thread(target=proc.stdout.read, daemon=True)
-            drain.start()
-            proc.drain = drain  # type: ignore[attr-defined]
-            return proc, m
-    proc.kill()
-    proc.wait(30)
-    proc.stdout.close()
-    raise SystemExit(f"{args[:4]} did not start")
-
-
-class Client:
-    """One keep-alive HTTP/1.1 connection over a raw socket; answers with a Content-Length or
-    chunked (the router streams SSE chunked). ``post``: status, head, body, seconds from the
-    request write to the answer's last byte."""
-
-    def __init__(self, url: str) -> None:
-        host, port = url.removeprefix("http://").split(":")
-        self.sock = socket.create_connection((host, int(port)))
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.host = f"{host}:{port}".encode()
-
-    def close(self) -> None:
-        self.sock.close()
-
-    def post(self, path: str, body: bytes) -> tuple[int, bytes, bytes, float]:
-        req = b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n" % (
-            path.encode(),
-            self.host,
-        )
-        req += b"Content-Length: %d\r\n\r\n" % len(body) + body
-        t0 = time.perf_counter()
-        self.sock.sendall(req)
-        buf, end, n, chunked = b"", -1, 0, False
-        while True:
-            chunk = self.sock.recv(65536)
-            if not chunk:
-                raise ConnectionError("server closed the connection")
-            buf += chunk
-            if end < 0:
-                end = buf.find(b"\r\n\r\n")
-                if end < 0:
-                    continue
-                lower = buf[:end].lower()
-                i = lower.find(b"content-length:")
-                chunked = i < 0
-                if not chunked:
-                    n = int(lower[i + 15 :].split(b"\r\n", 1)[0])
-            if chunked and buf.endswith(b"0\r\n\r\n") and _chunked_done(buf, end + 4):
-                break
-            if not chunked and len(buf) >= end + 4 + n:
-                break
-        elapsed = time.perf_counter() - t0
-        head, rest = buf[:end], buf[end + 4 :]
-        return int(buf[9:12]), head, _dechunk(rest) if chunked else rest[:n], elapsed
-
-
-def _chunked_done(buf: bytes, i: int) -> bool:
-    while True:
-        j = buf.find(b"\r\n", i)
-        if j < 0:
-            return False
-        size = int(buf[i:j].split(b";")[0], 16)
-        if size == 0:
-            return True
-        i = j + 2 + size + 2
-        if i > len(buf):
-            return False
-
-
-def _dechunk(data: bytes) -> bytes:
-    out: list[bytes] = []
-    i = 0
-    while True:
-        j = data.index(b"\r\n", i)
-        size = int(data[i:j].split(b";")[0], 16)
-        if size == 0:
-            return b"".join(out)
-        out.append(data[j + 2 : j + 2 + size])
-        i = j + 2 + size + 2
-
-
-def get(url: str, path: str) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(url + path, timeout=5) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -489,12 +290,8 @@ def main(argv: list[str] | None = None) -> bool:
     ap.add_argument("--router-env", action="append", default=[], metavar="KEY=VALUE",
                     help="more settings for both routers")  # fmt: skip
     ap.add_argument("--plot", default=str(ROOT / "benchmarks" / "out" / "bench_pd.png"))
-    ap.add_argument("--serve-worker", choices=["prefill", "decode"], help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.serve_worker:
-        serve_worker(args.serve_worker)
-        return True
-    me = [sys.executable, str(Path(__file__).resolve())]
+    me = [sys.executable, str(ROOT / "benchmarks" / "pd_worker.py")]
     ready = r"worker (http://\S+) events=(\S+)"
     env = dict(kv.split("=", 1) for kv in args.router_env)
     env.update(KVROUTER_PD__MODE="always", KVROUTER_PD__PROTOCOL="nixl")
@@ -502,9 +299,9 @@ def main(argv: list[str] | None = None) -> bool:
     runs: list[tuple[str, list[dict[str, list[float]]]]] = []
     tables = []
     try:
-        p, pm = spawn([*me, "--serve-worker", "prefill"], ready)
+        p, pm = spawn([*me, "prefill"], ready)
         procs.append(p)
-        d, dm = spawn([*me, "--serve-worker", "decode"], ready)
+        d, dm = spawn([*me, "decode"], ready)
         procs.append(d)
         urls = {"p": pm.group(1), "d": dm.group(1)}
         router = [sys.executable, "-m", "router", "--port", "0", "--log-level", "warning"]

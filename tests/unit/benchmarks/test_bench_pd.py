@@ -13,6 +13,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
 
 import bench_pd
+import pd_client
+import pd_worker
 
 from router.edge.legs import answer_params, apply, decode_patch, prefill_patch
 
@@ -21,7 +23,7 @@ from router.edge.legs import answer_params, apply, decode_patch, prefill_patch
 def test_the_direct_legs_are_the_routers_legs(stream: bool) -> None:
     body = bench_pd.request_bodies(200, stream, count=1)[0]
     assert bench_pd.prefill_body(body) == apply(body, prefill_patch("nixl"))
-    answer, _ = bench_pd.answers("prefill")
+    answer, _ = pd_worker.answers("prefill")
     params = answer_params(answer)
     assert params is not None and params["do_remote_prefill"] is True
     routed = apply(body, decode_patch("nixl"), {"kv_transfer_params": params})
@@ -29,13 +31,13 @@ def test_the_direct_legs_are_the_routers_legs(stream: bool) -> None:
 
 
 def test_the_workers_sse_is_whole_and_dechunked() -> None:
-    _, sse = bench_pd.answers("decode")
+    _, sse = pd_worker.answers("decode")
     assert sse.endswith(b"data: [DONE]\n\n")
     assert sse.count(b"data: ") == 16 + 2  # the tokens, the usage, DONE
     chunked = b"5\r\nhello\r\n3;x=1\r\n ok\r\n0\r\n\r\n"
-    assert bench_pd._chunked_done(chunked, 0)
-    assert not bench_pd._chunked_done(chunked[:9], 0)
-    assert bench_pd._dechunk(chunked) == b"hello ok"
+    assert pd_client._chunked_done(chunked, 0)
+    assert not pd_client._chunked_done(chunked[:9], 0)
+    assert pd_client._dechunk(chunked) == b"hello ok"
 
 
 @pytest.mark.slow
@@ -52,4 +54,4 @@ def test_a_short_run_measures_all_four_ways(
         assert out.count(name) == 2, name
     assert "target <= 2x" in out
     assert png.stat().st_size > 0 or "matplotlib" not in sys.modules
-    msgspec.json.decode(bench_pd.answers("prefill")[0])  # (the fixed answers are JSON)
+    msgspec.json.decode(pd_worker.answers("prefill")[0])  # (the fixed answers are JSON)
