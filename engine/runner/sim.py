@@ -25,8 +25,14 @@ digest)``, drawn from ``[token_min, token_max]`` (printable ASCII by default).
 
 ``timing_only=True`` (virtual-time replay, ``kvrouter.replay.virtual``): no sleeps, no payloads,
 no checks — only the modeled step time, which the caller advances its own clock by — and sampled
-tokens a cheap function of the sequence and position. Only for engines without lower tiers
-(their copies are timed on the wall clock).
+tokens a cheap function of the sequence and position. Copies are done at once and a block read
+from the host is a placeholder: the caller times a copy itself, on its own clock, with
+:meth:`SimRunner.copy_s` (the virtual replay's prefill→decode pulls), so no wall-clock wait
+enters a simulated run. Only for engines without lower tiers (staging slots for pulls only).
+
+Every step also counts the prefill it ran (:attr:`SimRunner.prefill_tokens`, and the longest
+chunk one sequence prefilled in one step, :attr:`SimRunner.longest_prefill`): what a decode
+engine of a PD fleet must keep small.
 """
 
 from __future__ import annotations
@@ -76,6 +82,7 @@ SIM_DEFAULTS: dict[str, float] = {
 _MAGIC = b"SIMKV1"
 _DIGEST = 16
 _CACHED_SEQS = 4096
+_PLACEHOLDER = _MAGIC + bytes(_DIGEST)
 
 
 def _chain(prev: bytes, tokens: Sequence[int]) -> bytes:
@@ -134,6 +141,9 @@ class SimRunner(ModelRunner):
         self._model = config.model
         #: Total modeled compute time of every step so far (seconds, before speedup).
         self.busy_s = 0.0
+        #: prompt tokens prefilled so far, and the most one sequence prefilled in one step
+        self.prefill_tokens = 0
+        self.longest_prefill = 0
 
     @property
     def kv_block_bytes(self) -> int:
@@ -221,6 +231,9 @@ class SimRunner(ModelRunner):
         return StepOutput(tokens=tokens, elapsed_s=elapsed)
 
     def _elapsed(self, prefill: list[int], decode: int, context: int) -> float:
+        if prefill:
+            self.prefill_tokens += sum(prefill)
+            self.longest_prefill = max(self.longest_prefill, max(prefill))
         ms = (self.prefill_ms(prefill) if prefill else 0.0) + (
             self.decode_ms(decode, context) if decode else 0.0
         )
@@ -263,17 +276,23 @@ class SimRunner(ModelRunner):
 
     def swap_out(self, pairs: Sequence[tuple[int, int]]) -> Transfer:
         self._check(pairs, True)
+        if self.timing_only:  # (the caller times copies: see the module docstring)
+            return DoneTransfer()
         for g, h in pairs:
             self._host[h] = self._gpu[g]
         return SimTransfer(self.copy_s(len(pairs)), self.speedup) if pairs else DoneTransfer()
 
     def swap_in(self, pairs: Sequence[tuple[int, int]]) -> Transfer:
         self._check(pairs, False)
+        if self.timing_only:
+            return DoneTransfer()
         for h, g in pairs:
             self._gpu[g] = self._host[h]
         return SimTransfer(self.copy_s(len(pairs)), self.speedup) if pairs else DoneTransfer()
 
     def read_host(self, slot: int) -> bytes:
+        if self.timing_only:  # no payloads: a block the size of one, that nothing checks
+            return _PLACEHOLDER
         data = self._host[slot]
         if len(data) != self.kv_block_bytes:
             raise RunnerError(f"host slot {slot} holds no KV")
@@ -285,6 +304,6 @@ class SimRunner(ModelRunner):
         self._host[slot] = bytes(data)
 
     def io_delay(self, tier: str, num_bytes: int, *, write: bool = False) -> float:
-        if write or tier not in ("DISK", "EXTERNAL", "REMOTE"):
+        if write or self.timing_only or tier not in ("DISK", "EXTERNAL", "REMOTE"):
             return 0.0
         return self.copy_s(-(-num_bytes // self.kv_block_bytes), tier)

@@ -4,13 +4,15 @@
         --json out/virtual-conversation.json --plots out/virtual-conversation
     kvrouter replay --workload shared-prefix --groups 8 --prompts 32 --turns 3
     kvrouter replay --trace ... --count 2000 --kv-tokens 262144   # caches under pressure
+    kvrouter replay --trace ... --count 1000 --pd-sweep --pd-ratios 2:6,4:4 --plots out/pd
     kvrouter replay --mode live --trace ... --count 1000 --speedup 1.25 \\
         --policies round_robin,least_load,kvrouter,sglang --sglang-router-python /tmp/sgl/bin/python
 
 Virtual time (default) runs the bundled engines and the router in this process on a simulated
 clock (:mod:`kvrouter.replay.virtual`); live sends the same requests to running servers
 (:mod:`kvrouter.replay.live`). ``--config`` is a router YAML: its ``scoring`` section is what
-policy ``kvrouter`` places with in both modes.
+policy ``kvrouter`` places with in both modes (and its ``pd`` section on a prefill/decode fleet,
+``--pd`` and ``--pd-sweep``: :mod:`kvrouter.replay.pd_sweep`, virtual time).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvrouter.replay.slo import DEFAULT_SLO, Slo
 from kvrouter.replay.trace import (
     SharedPrefixSpec,
     TraceError,
@@ -45,6 +48,7 @@ LIVE_DEFAULT = "round_robin,least_load,kvrouter"
 
 def _parser() -> argparse.ArgumentParser:
     from kvrouter.replay.live import add_live_arguments
+    from kvrouter.replay.pd_sweep import add_pd_arguments
 
     p = argparse.ArgumentParser(
         prog="kvrouter replay",
@@ -77,6 +81,19 @@ def _parser() -> argparse.ArgumentParser:
     a("--json", metavar="PATH", help="write the table and the arguments here")
     a("--plots", metavar="DIR", help="write ttft_cdf.png and hit_rate.png here")
     a("--no-progress", action="store_true", help="no progress on stderr")
+    a(
+        "--slo-ttft-ms",
+        type=float,
+        default=DEFAULT_SLO.ttft_s * 1000,
+        help="goodput's time-to-first-token objective "
+        f"(default {DEFAULT_SLO.ttft_s * 1000:g}; kvrouter.replay.slo)",
+    )
+    a(
+        "--slo-tpot-ms",
+        type=float,
+        default=DEFAULT_SLO.tpot_s * 1000,
+        help=f"goodput's time-per-output-token objective (default {DEFAULT_SLO.tpot_s * 1000:g})",
+    )
     f = p.add_argument_group("fleet (both modes)")
     f.add_argument("--workers", type=int, default=8, help="(default 8)")
     f.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
@@ -136,6 +153,7 @@ def _parser() -> argparse.ArgumentParser:
         if name != "seed":
             flag = f"--{name.replace('_', '-')}"
             g.add_argument(flag, type=type(default), default=default, help=f"(default {default})")
+    add_pd_arguments(p)
     add_live_arguments(p)
     return p
 
@@ -184,6 +202,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"--kv-tokens must be a positive multiple of --block-size ({args.block_size})"
                 )
             args.gpu_blocks = args.kv_tokens // args.block_size
+        slo = Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
+        pd = bool(args.pd or args.pd_sweep)
+        if pd and args.mode != "virtual":
+            raise ValueError("--pd and --pd-sweep run in virtual time only (--mode virtual)")
+        if args.pd:
+            from kvrouter.replay.pd_sweep import parse_ratio
+
+            args.workers = sum(parse_ratio(args.pd))
         reqs = _workload(args)
         check_block_sizes(args.trace_block, args.block_size, reqs)
         policies = args.policies or (VIRTUAL_DEFAULT if args.mode == "virtual" else LIVE_DEFAULT)
@@ -201,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ideal = ideal_hit(reqs, args.trace_block)
     capacity = args.workers * args.gpu_blocks * args.block_size
     pooled = pooled_lru_hit(reqs, args.trace_block, capacity)
-    table = [row(r, ideal, pooled) for r in runs]
+    table = [row(r, ideal, pooled, slo) for r in runs]
     where = Path(args.trace).name if args.workload == "trace" else "shared-prefix"
     caption = (
         f"{args.mode}: {where} [{args.start},{args.start + len(reqs)}) {len(reqs)} requests, "
@@ -209,13 +235,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     title = (
         f"{caption}, infinite-cache ideal {ideal:.1%}, one pooled LRU cache of the fleet's size "
-        f"{pooled:.1%}"
+        f"{pooled:.1%}; goodput: TTFT <= {args.slo_ttft_ms:g} ms and TPOT <= "
+        f"{args.slo_tpot_ms:g} ms"
     )
     print(format_table(title, table))
     errors = {r.policy: error_kinds(r) for r in runs if any(o.error for o in r.outcomes)}
     for policy, kinds in errors.items():
         for message, n in kinds.items():
             print(f"  {policy}: {n} x {message}")
+    if pd:
+        from kvrouter.replay.pd_sweep import recommend
+
+        print(recommend(table))
     if args.json:
         meta: dict[str, Any] = {
             "args": vars(args),
@@ -231,6 +262,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvrouter.replay.plots import plot
 
         paths = plot(Path(args.plots), runs, table, ideal, pooled, caption)
+        if args.pd_sweep:
+            from kvrouter.replay.plots import plot_pd_sweep
+
+            paths.append(plot_pd_sweep(Path(args.plots), table, caption))
         print("plots:", *paths)
     return 0
 
@@ -257,6 +292,10 @@ def _run_virtual(args: argparse.Namespace, reqs: list[TraceRequest], names: list
         no_events=max(0, min(args.no_events, args.workers)),
         sim_options=_sim_options(args.sim_option),
     )
+    if args.pd or args.pd_sweep:
+        from kvrouter.replay.pd_sweep import run_pd
+
+        return run_pd(args, reqs, names, fleet, settings)
     out = []
     for name in names:
         for replicas in _router_replicas(args) if name == "kvrouter" else [None]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from engine.engine import LLMEngine
+from kvrouter.replay.pd_policy import KvrouterPdPolicy
 from kvrouter.replay.policies import (
     CacheAwarePolicy,
     KvrouterEarlyHeadPolicy,
@@ -49,9 +50,16 @@ def make_policy(
     clock: Callable[[], float],
     replicas: RouterReplicas | None = None,
     no_events: int = 0,
+    roles: Sequence[str] = (),
 ) -> Policy:
     """``replicas``: policy ``kvrouter`` through several routers (:mod:`kvrouter.replay.replicas`);
-    ``no_events``: for one router, its first that many workers publish no KV events."""
+    ``no_events``: for one router, its first that many workers publish no KV events; ``roles``:
+    a prefill/decode fleet's roles, which only policy ``kvrouter`` places on (one router, the
+    settings' ``pd.mode``: :mod:`kvrouter.replay.pd_policy`)."""
+    if roles:
+        if name != "kvrouter":
+            raise ValueError(f"a prefill/decode fleet runs policy kvrouter only, not {name!r}")
+        return KvrouterPdPolicy(engines, settings, clock, roles)
     if name == "random":
         return RandomPolicy(engines, seed)
     if name == "round_robin":

@@ -1,5 +1,7 @@
 """What a replay draws (``--plots DIR``): ``hit_rate.png`` and ``ttft_cdf.png``, made to be read
-by someone who did not run the replay.
+by someone who did not run the replay; with ``--pd-sweep`` also ``pd_sweep.png``: goodput, TTFT
+p99 and TPOT p99 against the P:D ratio, one line per mode, the aggregated fleet as a dashed line,
+the recommended row starred.
 
 Both carry a title naming the mode, the trace and its slice, and the fleet. ``hit_rate.png``: one
 bar per policy with its value on it, the infinite-cache ideal and one pooled LRU cache of the
@@ -13,6 +15,7 @@ matplotlib is the ``replay`` extra's (``pip install -e '.[replay]'``), imported 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,7 +25,15 @@ from kvrouter.replay.report import Run
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["check_plotting", "hit_rate_figure", "is_kvrouter", "plot", "ttft_figure"]
+__all__ = [
+    "check_plotting",
+    "hit_rate_figure",
+    "is_kvrouter",
+    "pd_sweep_figure",
+    "plot",
+    "plot_pd_sweep",
+    "ttft_figure",
+]
 
 #: kvrouter's colour; the other policies take the qualitative palette in order, without it
 KVROUTER_COLOR = "#d62728"
@@ -153,3 +164,56 @@ def plot(
     for path, fig in zip(paths, figures):
         fig.savefig(path, dpi=120, bbox_inches="tight")  # (the outside legends included)
     return paths
+
+
+#: a PD row's label, as kvrouter.replay.virtual writes it: "kvrouter 2:6 threshold"
+_PD_LABEL = re.compile(r"(\d+):(\d+) (\w+)$")
+_PANELS = (("goodput_rps", "goodput (req/s)"), ("ttft_p99_ms", "TTFT p99 (ms)"),
+           ("tpot_p99_ms", "TPOT p99 (ms)"))  # fmt: skip
+
+
+def pd_sweep_figure(table: Sequence[dict[str, Any]], caption: str) -> Figure:
+    from matplotlib.figure import Figure
+
+    from kvrouter.replay.pd_sweep import recommend
+
+    lines: dict[str, list[tuple[int, str, dict[str, Any]]]] = {}
+    baseline = None
+    for r in table:
+        m = _PD_LABEL.search(str(r["policy"]))
+        if m is None:
+            baseline = r
+        else:
+            lines.setdefault(m[3], []).append((int(m[1]), f"{m[1]}:{m[2]}", r))
+    best = recommend(table)
+    fig = Figure(figsize=(14, 4.2))
+    axes = fig.subplots(1, len(_PANELS))
+    for ax, (key, name) in zip(axes, _PANELS):
+        for k, (mode, pts) in enumerate(sorted(lines.items())):
+            pts.sort(key=lambda t: t[0])
+            xs = [p for p, _, _ in pts]
+            ys = [r.get(key) or 0 for _, _, r in pts]
+            ax.plot(xs, ys, marker="o", color=_OTHERS[k % len(_OTHERS)], label=mode,
+                    linestyle=_STYLES[k % len(_STYLES)])  # fmt: skip
+            for x, (_, _, r) in zip(xs, pts):
+                if f"run: {r['policy']} " in best:
+                    ax.plot([x], [r.get(key) or 0], marker="*", markersize=16,
+                            color=KVROUTER_COLOR, zorder=5)  # fmt: skip
+            ax.set_xticks(xs, [lab for _, lab, _ in pts])
+        if baseline is not None and baseline.get(key) is not None:
+            ax.axhline(baseline[key], linestyle="--", color="black", label=str(baseline["policy"]))
+        ax.set_xlabel("prefill : decode engines")
+        ax.set_title(name, fontsize=10)
+        ax.grid(True, alpha=0.3)
+    axes[0].legend(fontsize=8, frameon=False)
+    fig.suptitle(f"PD sweep ({best}; star: the recommended row)\n{caption}", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_pd_sweep(out: Path, table: Sequence[dict[str, Any]], caption: str = "") -> Path:
+    """``pd_sweep.png`` under ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "pd_sweep.png"
+    pd_sweep_figure(table, caption).savefig(path, dpi=120, bbox_inches="tight")
+    return path

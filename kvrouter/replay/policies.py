@@ -139,9 +139,12 @@ class KvrouterPolicy(Policy):
         settings: Settings,
         clock: Callable[[], float],
         no_events: int = 0,
+        roles: Sequence[str] = (),
     ) -> None:
         """``no_events``: the first that many workers publish no events (approximate ranks,
-        fed by what the placer sends them: ``Placer.sent`` writes this index itself)."""
+        fed by what the placer sends them: ``Placer.sent`` writes this index itself);
+        ``roles``: each worker's role (``prefill``, ``decode``, ``both``: all ``both`` if
+        empty), as the router's worker table would say (:mod:`kvrouter.replay.pd_policy`)."""
         super().__init__(engines)
         if settings.scoring.seed is None:  # a tempered first choice must replay the same way
             settings = msgspec.structs.replace(
@@ -159,7 +162,10 @@ class KvrouterPolicy(Policy):
         self.deaf = set(range(no_events))
         for w, engine in enumerate(engines):
             events = EVENTS_NONE if w in self.deaf else "tcp://127.0.0.1:9"  # never dialled
-            cfg = WorkerConfig(id=f"w{w}", url=f"http://w{w}.invalid", events_endpoint=events)
+            role = roles[w] if roles else "both"
+            cfg = WorkerConfig(
+                id=f"w{w}", url=f"http://w{w}.invalid", events_endpoint=events, role=role
+            )
             fleet.add(cfg)
             self.index.add_worker(cfg.id, 0, model=cfg.model)
             self.index.set_approximate((cfg.id, 0), cfg.approximate)

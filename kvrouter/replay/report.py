@@ -3,8 +3,10 @@
 
 A row (:func:`row`): requests served and failed; prefix hit rate (Σ cached / Σ prompt tokens, the
 engines' own ``cached_tokens``), its fraction of the infinite-cache ideal and of one pooled LRU
-cache of the fleet's size (what a single shared cache keeps: the ideal under a finite cache); TTFT mean/p50/p99 and
-end-to-end p50/p99 in milliseconds; requests and prompt tokens per worker (max/min); preemptions;
+cache of the fleet's size (what a single shared cache keeps: the ideal under a finite cache); TTFT mean/p50/p99,
+time per output token mean/p99 and end-to-end p50/p99 in milliseconds; goodput (requests per second
+meeting both objectives of a :class:`kvrouter.replay.slo.Slo`) and the share of requests that met
+them; requests and prompt tokens per worker (max/min); preemptions;
 in live mode the router's CPU seconds per 1,000 requests (and Envoy's, for policy kvrouter-epp)
 and how late the client sent the latest request. Times are simulated seconds in virtual time and
 wall-clock seconds live.
@@ -21,8 +23,9 @@ from typing import Any, Protocol, TextIO
 
 from kvrouter.replay.fleet import EngineCounters
 from kvrouter.replay.live_client import LiveOutcome
+from kvrouter.replay.slo import DEFAULT_SLO, Slo, good, tpot_s
 
-__all__ = ["Progress", "Run", "error_kinds", "format_table", "row", "write_json"]
+__all__ = ["Progress", "Run", "error_kinds", "format_table", "row", "span_s", "write_json"]
 
 
 class Run(Protocol):
@@ -35,10 +38,31 @@ def _pct(xs: Sequence[float], q: float) -> float | None:
     return round(xs[min(len(xs) - 1, int(q * len(xs)))] * 1000) if xs else None
 
 
-def row(run: Run, ideal: float, pooled: float | None = None) -> dict[str, Any]:
+def span_s(run: Run) -> float:
+    """The run's span for rates: simulated seconds in virtual time (a virtual run's ``wall_s`` is
+    how long this machine took to simulate it, not the fleet's time), else wall-clock seconds."""
+    sim = getattr(run, "sim_s", None)
+    return float(sim if sim is not None else getattr(run, "wall_s", 0.0))
+
+
+def _ms1(xs: Sequence[float], q: float | None = None) -> float | None:
+    """Milliseconds with one decimal (a TPOT is tens of ms: whole ms would hide differences);
+    the mean, or the ``q`` quantile as :func:`_pct` takes it."""
+    if not xs:
+        return None
+    v = statistics.mean(xs) if q is None else xs[min(len(xs) - 1, int(q * len(xs)))]
+    return round(v * 1000, 1)
+
+
+def row(
+    run: Run, ideal: float, pooled: float | None = None, slo: Slo = DEFAULT_SLO
+) -> dict[str, Any]:
     ok = [o for o in run.outcomes if o.error is None]
     ttft = sorted(o.ttft_s for o in ok if o.ttft_s is not None)
     e2e = sorted(o.e2e_s for o in ok if o.e2e_s is not None)
+    tpot = sorted(t for t in map(tpot_s, ok) if t is not None)
+    met = sum(1 for o in run.outcomes if good(o, slo))
+    span = span_s(run)
     hit = sum(o.cached_tokens for o in ok) / max(1, sum(o.prompt_tokens for o in ok))
     reqs = [e.requests for e in run.engines] or [0]
     toks = [e.prompt_tokens for e in run.engines] or [0]
@@ -52,12 +76,17 @@ def row(run: Run, ideal: float, pooled: float | None = None) -> dict[str, Any]:
         "ttft_mean_ms": round(statistics.mean(ttft) * 1000) if ttft else None,
         "ttft_p50_ms": _pct(ttft, 0.5),
         "ttft_p99_ms": _pct(ttft, 0.99),
+        "tpot_mean_ms": _ms1(tpot),
+        "tpot_p99_ms": _ms1(tpot, 0.99),
+        "goodput_rps": round(met / span, 3) if span > 0 else None,
+        "slo_%": round(met / len(run.outcomes) * 100, 1) if run.outcomes else None,
         "e2e_p50_ms": _pct(e2e, 0.5),
         "e2e_p99_ms": _pct(e2e, 0.99),
         "req/worker": f"{max(reqs)}/{min(reqs)}",
         "Mtok/worker": f"{max(toks) / 1e6:.2f}/{min(toks) / 1e6:.2f}",
         "preempt": sum(e.preemptions for e in run.engines),
     }
+    out.update(getattr(run, "extra", None) or {})  # (a PD run's own columns)
     cpu = getattr(run, "router_cpu_s", None)
     if hasattr(run, "router_cpu_s"):
         out["cpu_s/1k"] = None if cpu is None else round(cpu / len(run.outcomes) * 1000, 1)

@@ -1,0 +1,135 @@
+"""A prefill/decode fleet in virtual time (kvrouter.replay.virtual, pd_policy, pd_sweep): remote
+prefills happen under ``always`` and never under ``never``, decode engines run no long prefill,
+a pull costs its bytes over the link plus its latency (a TTFT computed by hand from the sim's
+timing model), a prefill no longer stretches the steps of sequences decoding elsewhere, and the
+CLI's sweep runs aggregated beside every ratio and names a row."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from engine.runner.sim import SIM_DEFAULTS
+from kvrouter.replay.cli import main
+from kvrouter.replay.slo import tpot_s
+from kvrouter.replay.trace import TraceRequest
+from kvrouter.replay.virtual import VirtualFleet, VirtualRun, run_virtual
+from router.settings import Settings
+
+TB = 64  # trace block (tokens)
+BS = 16
+
+
+def _settings(mode: str) -> Settings:
+    s = Settings(block_size=BS)
+    return msgspec.structs.replace(s, pd=msgspec.structs.replace(s.pd, mode=mode))
+
+
+def _req(t: float, ids: list[int], out: int = 8) -> TraceRequest:
+    return TraceRequest(t, tuple(ids), len(ids) * TB, out)
+
+
+def _workload() -> list[TraceRequest]:
+    """Twelve requests, three shared prefixes of 8 trace blocks (512 tokens) and a unique tail,
+    arriving 50 ms apart: prompts long enough to cross the threshold mode's 256 tokens."""
+    return [
+        _req(0.05 * i, [1000 * (i % 3) + k for k in range(8)] + [50_000 + i]) for i in range(12)
+    ]
+
+
+def _run(mode: str, prefill: int = 1, workers: int = 3, **kw: float) -> VirtualRun:
+    fleet = VirtualFleet(workers=workers, block_size=BS, gpu_blocks=2048, prefill=prefill,
+                         sim_options=dict(kw))  # fmt: skip
+    return run_virtual(_workload(), "kvrouter", fleet, trace_block=TB, settings=_settings(mode))
+
+
+def test_always_prefills_every_prompt_remotely_and_decode_engines_run_no_long_prefill() -> None:
+    run = _run("always")
+    assert run.policy == "kvrouter 1:2 always"
+    assert all(o.error is None and o.ttft_s is not None for o in run.outcomes)
+    assert run.extra["remote_%"] == 100.0 and run.extra["fallback"] == 0
+    # a decode engine computes only what it did not pull: the prompt's last block at most
+    assert 0 < run.extra["d_max_prefill"] <= BS
+    # every request was served by a decode engine (w1, w2), none by the prefill engine (w0)
+    assert {o.worker for o in run.outcomes} <= {"w1", "w2"}
+    assert run.engines[0].requests == 0 and run.engines[1].requests + run.engines[2].requests == 12
+    # the first request's decode leg reports the prefill engine's hit (none: it was first)
+    assert run.outcomes[0].cached_tokens == 0
+    # later ones reuse what the prefill engine holds of their prefix (vLLM reports its hit)
+    assert sum(o.cached_tokens for o in run.outcomes) > 0
+
+
+def test_never_prefills_on_the_decode_engines_only() -> None:
+    run = _run("never")
+    assert run.extra["remote_%"] == 0.0
+    assert run.extra["d_max_prefill"] >= 8 * TB - 8 * TB % BS  # whole prompts, on D
+    assert {o.worker for o in run.outcomes} <= {"w1", "w2"}
+
+
+def _ttft_by_hand(tokens: int, gbps: float) -> float:
+    """One request on an idle 1:1 fleet: the prefill engine's step, the pull of its full blocks
+    but the last token's, and the decode engine's step computing the last block."""
+    p = SIM_DEFAULTS
+    prefill = p["prefill_a"] * tokens**2 + p["prefill_b"] * tokens + p["prefill_c"]
+    pulled = (tokens - 1) // BS
+    rest = tokens - pulled * BS
+    decode_first = p["prefill_a"] * rest**2 + p["prefill_b"] * rest + p["prefill_c"]
+    transfer_s = pulled * BS * p["kv_bytes_per_token"] / (gbps * 1e9)
+    return (prefill + decode_first + p["transfer_latency_ms"]) / 1e3 + transfer_s
+
+
+@pytest.mark.parametrize("gbps", [12.5, 0.05])
+def test_a_pull_costs_its_bytes_over_the_link_plus_its_latency(gbps: float) -> None:
+    fleet = VirtualFleet(workers=2, block_size=BS, gpu_blocks=2048, prefill=1,
+                         sim_options={"transfer_gbps": gbps})  # fmt: skip
+    req = [_req(0.0, list(range(8)), out=2)]  # 512 tokens, 31 blocks pulled
+    run = run_virtual(req, "kvrouter", fleet, trace_block=TB, settings=_settings("always"))
+    assert run.outcomes[0].ttft_s == pytest.approx(_ttft_by_hand(512, gbps), rel=1e-9)
+    # (at 0.05 GB/s the 31 blocks' 6 MB take 122 ms: the link is what the TTFT grew by)
+
+
+def test_a_prefill_stretches_decode_steps_on_its_own_engine_only() -> None:
+    # a long answer decoding, then a 2,048-token prompt arriving while it decodes
+    reqs = [_req(0.0, [1], out=200), _req(0.5, list(range(100, 132)), out=2)]
+    fleet = VirtualFleet(workers=1, block_size=BS, gpu_blocks=2048)
+    agg = run_virtual(reqs, "kvrouter", fleet, trace_block=TB, settings=_settings("always"))
+    pd_fleet = VirtualFleet(workers=2, block_size=BS, gpu_blocks=2048, prefill=1)
+    pd = run_virtual(reqs, "kvrouter", pd_fleet, trace_block=TB, settings=_settings("always"))
+    agg_tpot, pd_tpot = tpot_s(agg.outcomes[0]), tpot_s(pd.outcomes[0])
+    assert agg_tpot is not None and pd_tpot is not None
+    assert agg_tpot > pd_tpot  # the prefill's step held every one of its decoding tokens
+
+
+def test_the_cli_sweeps_ratios_beside_aggregated_and_names_a_row(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "t.jsonl"
+    with open(trace, "w") as f:
+        for r in _workload():
+            row = {"timestamp": int(r.arrival_s * 1000), "input_length": r.input_length,
+                   "output_length": r.output_length, "hash_ids": list(r.hash_ids)}  # fmt: skip
+            f.write(json.dumps(row) + "\n")
+    out = tmp_path / "pd.json"
+    base = ["--trace", str(trace), "--trace-block", str(TB), "--workers", "3", "--gpu-blocks",
+            "2048", "--pd-sweep", "--no-progress"]  # fmt: skip
+    argv = [*base, "--pd-mode", "always,never", "--json", str(out)]
+    assert main(argv) == 0
+    table = json.loads(out.read_text())["table"]
+    assert [r["policy"] for r in table] == [
+        "kvrouter 3 aggregated",
+        "kvrouter 1:2 always",
+        "kvrouter 2:1 always",
+        "kvrouter 1:2 never",
+        "kvrouter 2:1 never",
+    ]
+    assert all(r["ok"] == 12 for r in table)
+    assert [r.get("remote_%") for r in table] == [None, 100.0, 100.0, 0.0, 0.0]
+    best = max(table, key=lambda r: (r["goodput_rps"], -r["ttft_p99_ms"]))
+    assert f"run: {best['policy']} (goodput" in capsys.readouterr().out
+    # a ratio that is not the fleet's size, a bad mode, live mode: refused before any run
+    assert main([*base, "--pd-ratios", "1:3"]) == 2
+    assert main([*base, "--pd-mode", "sometimes"]) == 2
+    assert main(["--mode", "live", "--trace", str(trace), "--pd", "1:2"]) == 2
