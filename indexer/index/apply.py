@@ -68,6 +68,10 @@ class Applier:
             model = next((x.model for k, x in self._workers.items() if k[0] == worker_id), "")
             self._state.add_worker(worker_id, rank, model=model)
             w = self._workers[(worker_id, rank)]
+        if w.approximate:
+            # scored from what the router sent it (the closed loop distrusts its events for
+            # now): its events would mix engine-announced blocks into that guess
+            return
         bs = self.block_size
         for ev in batch.events:
             # The common shapes (a plain GPU store chaining from a known parent, a GPU removal
@@ -115,6 +119,8 @@ class Applier:
         if key not in self._workers:
             self._state.add_worker(*key)
         w = self._workers[key]
+        if w.approximate:  # (as ``apply_batch``)
+            return
         self._apply(w, event)
         self._count(w)
 

@@ -28,6 +28,7 @@ import zmq
 from indexer.events import EventBatch, ResumePoint
 from indexer.index.types import WorkerKey
 from indexer.subscriber.records import (
+    UNANCHORED,
     SubscriberError,
     WorkerEndpoint,
     WorkerRank,
@@ -149,6 +150,15 @@ class Subscriber:
         task, the index's only writer (a rank fed by events ignores it)."""
         self._post("sent", (key, hashes))
 
+    def set_source(self, key: WorkerKey, approximate: bool) -> None:
+        """The closed loop's switch (``router.placement.loop``), a command to the task: score rank
+        ``key`` from its approximate tree alone (``approximate``: its events disagree with what
+        the worker reports, and are not applied meanwhile), or go back to its events from a
+        fresh stream: a replay of all its publisher still holds, else its entries rebuilt from
+        the live events on. Either way the other kind's entries are dropped
+        (``PrefixIndex.set_approximate``); a worker without events stays approximate."""
+        self._post("source", (key, approximate))
+
     def stats(self) -> dict[WorkerKey, WorkerStats]:
         """Per (worker_id, dp_rank) stats, refreshed from the index (the objects are live)."""
         return {r.key: r.refreshed_stats(self._index) for r in self._ranks()}
@@ -250,6 +260,8 @@ class Subscriber:
             self._index.record_sent(*arg)
         elif kind == "capacity":
             self._index.set_rank_capacity(*arg)
+        elif kind == "source":
+            self._do_source(*arg)
         else:
             self._do_restore(arg)
 
@@ -284,6 +296,20 @@ class Subscriber:
                 raise SubscriberError(f"cannot subscribe to {ep!r}: {exc}") from exc
             raise
         self._workers[ep.id] = (ep, ranks)
+
+    def _do_source(self, key: WorkerKey, approximate: bool) -> None:
+        entry = self._workers.get(key[0])
+        r = next((x for x in entry[1] if x.key == key), None) if entry is not None else None
+        if r is None:  # gone, or without events (no ranks here): nothing to switch
+            return
+        self._index.set_approximate(key, approximate)
+        if approximate or r.replay_ep is None:
+            return  # (without a replay endpoint the live events rebuild it from now on)
+        if r.replay is not None:
+            self._replays.abort(r)
+        # a fresh stream: take all the publisher holds, as a joining rank does
+        r.last, r.last_ts, r.covered = UNANCHORED, None, None
+        self._replays.start(r, 0, None, join=False)
 
     def _do_remove(self, worker_id: str) -> None:
         entry = self._workers.pop(worker_id, None)

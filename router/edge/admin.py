@@ -120,6 +120,8 @@ def _worker_view(state: Runtime, worker_id: str) -> dict[str, Any]:
         "bootstrap_port": cfg.bootstrap_port,
         "events_endpoint": cfg.events_endpoint,
         "source": _source(state, st.keys[0]),
+        # the closed loop's verdict on its reported cached tokens (router.placement.loop)
+        "agreement": state.placer.loop.verdict(cfg.id),
         "kv_blocks": cfg.kv_blocks,
         "replay_endpoint": cfg.replay_endpoint,
         "dp_ranks": cfg.dp_ranks,

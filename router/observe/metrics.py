@@ -21,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from indexer.index.native import BACKENDS as NATIVE_BACKENDS
+from router.observe.agreement import AgreementMetrics
 from router.observe.epp import EppMetrics
 from router.observe.family import Family as _Family
 from router.observe.pd import PdMetrics
@@ -335,7 +336,9 @@ class RouterMetrics:
         )
         self.pd = PdMetrics(r)  # prefill/decode disaggregation's own families
         self.epp = EppMetrics(r)  # the endpoint picker's door
+        self.agreement_m = AgreementMetrics(r)  # the closed loop's, per worker
         self._families = [v for v in vars(self).values() if isinstance(v, _Family)]
+        self._families += self.agreement_m.families
 
     def child(self, metric: Any, *labels: str) -> Any:
         """``metric.labels(*labels)``, cached: ``labels`` costs several µs on the hot path."""
@@ -390,3 +393,6 @@ class RouterMetrics:
 
     def pd_decided(self, decision: str, reason: str) -> None:
         self.pd.decided(decision, reason)
+
+    def agreement(self, worker: str, reason: str, disagrees: bool) -> None:
+        self.agreement_m.changed(worker, reason, disagrees)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from router.placement.scoring import ScoreWeights
+from router.settings.agreement import AgreementSettings
 from router.settings.pd import PdSettings
 
 if TYPE_CHECKING:
@@ -36,6 +37,8 @@ class PlacementSettings(msgspec.Struct, frozen=True):
     #: requests in flight through the doors at most (``proxy.max_inflight``)
     max_inflight: int = 1024
     pd: PdSettings = msgspec.field(default_factory=PdSettings)
+    #: the closed loop (``agreement.*``): reported cached tokens judged against the index
+    agreement: AgreementSettings = msgspec.field(default_factory=AgreementSettings)
 
     @classmethod
     def of(cls, settings: Settings) -> PlacementSettings:
@@ -64,4 +67,5 @@ class PlacementSettings(msgspec.Struct, frozen=True):
             max_remote_state_bytes=int(rs.max_remote_state_mib * (1 << 20)),
             max_inflight=settings.proxy.max_inflight,
             pd=settings.pd,
+            agreement=settings.agreement,
         )

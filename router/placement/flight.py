@@ -28,7 +28,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from router.placement.load import LoadLedger, Ticket, TicketState
@@ -46,15 +46,20 @@ class Flight:
 
     __slots__ = (
         "awaiting",
+        "block_size",
+        "by_tier",
         "cached",
         "endpoint",
+        "judge",
         "kind",
         "ledger",
         "leg",
         "listener",
         "matched_blocks",
         "metrics",
+        "predicted_blocks",
         "predicted_tokens",
+        "prompt_tokens",
         "t0",
         "ticket",
         "timer",
@@ -76,6 +81,11 @@ class Flight:
         timer: Callable[[], float] = time.perf_counter,
         listener: PlacementListener = NO_LISTENER,
         leg: str = "",
+        by_tier: Mapping[str, int] | None = None,
+        predicted_blocks: int = 0,
+        prompt_tokens: int = 0,
+        block_size: int = 0,
+        judge: Callable[[Flight], None] | None = None,
     ) -> None:
         self.ledger = ledger
         #: ``prefill`` / ``decode``: a leg of a disaggregated request; "" for a whole one
@@ -88,6 +98,14 @@ class Flight:
         self.endpoint = endpoint
         self.matched_blocks = matched_blocks
         self.predicted_tokens = predicted_tokens
+        # what the placement predicted, for the closed loop (``router.placement.loop``): the
+        # prompt's blocks the index held there per tier, those only predicted, its length
+        self.by_tier: Mapping[str, int] = by_tier if by_tier is not None else {}
+        self.predicted_blocks = predicted_blocks
+        self.prompt_tokens = prompt_tokens
+        self.block_size = block_size
+        #: hears the ended flight whose answer reported cached tokens (``AgreementLoop``)
+        self.judge = judge
         self.t0 = t0
         self.timer = timer
         #: the cached prompt tokens the worker's answer reported (the edge reads its usage)
@@ -149,6 +167,8 @@ class Flight:
             m.account_ended(status)
         if self.cached is not None:
             m.cached_tokens(self.worker, self.predicted_tokens, self.cached, self.leg)
+            if self.judge is not None:
+                self.judge(self)
 
 
 class Admission:

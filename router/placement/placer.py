@@ -29,10 +29,12 @@ from indexer.hashing import request_seed
 from indexer.index import PrefixIndex, WorkerMatch
 from router.errors import BadRequest, TooManyRequests
 from router.placement.agreement import reusable_tokens
+from router.placement.awaiting import AwaitingPrefills
 from router.placement.config import PlacementSettings
 from router.placement.decision import Decision
 from router.placement.flight import Admission, Flight, RouteAccounts
 from router.placement.load import LoadLedger, Ticket
+from router.placement.loop import AgreementLoop
 from router.placement.pd import Pick
 from router.placement.pd import pick as pd_pick
 from router.placement.ports import (
@@ -52,8 +54,6 @@ from router.types import WorkerKey
 __all__ = ["Decision", "Placer"]
 
 _M64 = (1 << 64) - 1
-#: per worker rank, the flights at most whose prefill the events end (``Placer.fly``)
-_MAX_AWAITING = 1024
 _NO_MATCH = WorkerMatch(0, {})
 _NO_SHARED = (0, 0)
 _GPU = CANONICAL_TIERS.index("GPU")
@@ -99,8 +99,8 @@ class Placer:
         self.inflight = 0
         #: prefill workers' engine ids (vLLM's ``remote_engine_id``, new at each start)
         self._engines: dict[str, str] = {}
-        #: per rank, the flights whose prefill has not been seen to end, by ticket id
-        self._awaiting: dict[WorkerKey, dict[int, Flight]] = {}
+        #: the flights whose prefill the events end (``fly(by_events=True)``)
+        self.awaiting = AwaitingPrefills(index)
         #: writes what the router sent to an approximate rank (no events) into its tree in the
         #: index: the index itself where this loop is its one writer (the replay, a benchmark);
         #: the router hands it to the subscriber task (``Subscriber.record_sent``)
@@ -109,6 +109,8 @@ class Placer:
             config.predicted_ttl_s, max_blocks=config.predicted_max_blocks, clock=clock
         )
         self.accounts = RouteAccounts(config.account_ttl_s, config.max_accounted, clock)
+        #: the closed loop: each answer's reported cached tokens against this prediction
+        self.loop = AgreementLoop(config.agreement, index, metrics=metrics, clock=clock)
         #: what the peer replicas placed (their tickets on this ledger and predictions)
         self.remote = RemoteTickets(
             self.load,
@@ -325,42 +327,21 @@ class Placer:
             timer=self.timer,
             listener=self.listener,
             leg=leg,
+            by_tier=c.by_tier,
+            predicted_blocks=c.predicted_blocks,
+            prompt_tokens=d.tokens,
+            block_size=d.block_size,
+            judge=self.loop.answered,
         )
-        # its prefill is over once the rank holds what it builds (``_built``); if it already
-        # does, there is nothing to see stored (a block predicted there is not held yet: a
-        # request with the same prompt may be building it). Each applied batch checks every
-        # flight waiting on its rank: past _MAX_AWAITING (accounted routes a caller never sent,
-        # say) a flight's prefill ends at its head or its end, as it did before the events did
-        # (an approximate rank has no events to end it: its head or its end does)
-        if (
-            by_events
-            and ticket.hashes
-            and not self.index.approximate(ticket.key)
-            and not self._built(ticket)
-        ):
-            awaiting = self._awaiting.setdefault(ticket.key, {})
-            if len(awaiting) < _MAX_AWAITING:
-                f.awaiting = awaiting
-                awaiting[ticket.id] = f
+        if by_events:
+            self.awaiting.wait(f)
         return f
 
     def blocks_stored(self, key: WorkerKey) -> None:
-        """Rank ``key``'s events were applied: a flight whose last block the rank now holds has
-        finished its prefill there, whether or not its first byte was seen (the subscriber
-        calls this after each batch it applies; the replay after each step's events). So must
-        the first block it had to build: past a hole in what the rank held, the last block may
-        have been there all along."""
-        awaiting = self._awaiting.get(key)
-        if awaiting:
-            for f in [f for f in awaiting.values() if self._built(f.ticket)]:
-                f.prefill_over()
-
-    def _built(self, t: Ticket) -> bool:
-        """The rank holds ``t``'s last block and the first it had to build."""
-        holds, key = self.index.holds, t.key
-        return holds(key, t.hashes[-1]) and (
-            not t.prefill_hashes or holds(key, t.prefill_hashes[0])
-        )
+        """Rank ``key``'s events were applied: end the prefills they show built
+        (:mod:`router.placement.awaiting`; the subscriber calls this after each batch it
+        applies, the replay after each step's events)."""
+        self.awaiting.blocks_stored(key)
 
     def engine_seen(self, worker_id: str, engine_id: str, keys: Sequence[WorkerKey]) -> bool:
         """A prefill worker answered with its engine id; True when it changed: the engine
@@ -387,9 +368,10 @@ class Placer:
         self.accounts.drop_worker(worker_id)
         self.remote.drop_worker(worker_id)
         self._engines.pop(worker_id, None)
+        self.loop.forget(worker_id)
         self.load.drop_worker(worker_id)
         for key in keys:  # (their flights end as their streams do)
-            self._awaiting.pop(key, None)
+            self.awaiting.drop(key)
 
     def housekeeping(self) -> None:
         """Periodic: expire accounted routes and predictions, report what is left."""

@@ -103,6 +103,10 @@ class PlacementMetrics(Protocol):
     def pd_decided(self, decision: str, reason: str) -> None:
         """A disaggregated fleet's pick: ``local`` or ``remote``, and why."""
 
+    def agreement(self, worker: str, reason: str, disagrees: bool) -> None:
+        """The closed loop turned ``worker``: its reports disagree with the index (``reason``:
+        ``index_ahead`` or ``worker_ahead``), or agree again (``disagrees`` False)."""
+
 
 class NoMetrics:
     """Metrics that go nowhere: the replay and the benchmarks."""
@@ -132,6 +136,9 @@ class NoMetrics:
         pass
 
     def pd_decided(self, decision: str, reason: str) -> None:
+        pass
+
+    def agreement(self, worker: str, reason: str, disagrees: bool) -> None:
         pass
 
 

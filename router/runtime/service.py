@@ -143,6 +143,8 @@ class Runtime:
         )
         # what is sent to a worker without events enters its tree on the index's one writer
         self.placer.sent = self.subscriber.record_sent
+        # and the closed loop's switch of a worker between its events and that tree too
+        self.placer.loop.switch = self.subscriber.set_source
         if seqs:  # resume each worker rank after its snapshotted seq (replay closes the gap)
             self.subscriber.restore_seqs(seqs)
         self.prom.register(StateCollector(self._samples))  # (it reads the subscriber's stats)

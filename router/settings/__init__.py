@@ -6,6 +6,7 @@ a worker entry in :mod:`router.settings.workers`, the Envoy endpoint picker in :
 settings from here; this package imports only ``router.errors`` and the indexer's tier vocabulary."""
 
 from indexer.events import DEFAULT_TIER_WEIGHTS
+from router.settings.agreement import AgreementSettings
 from router.settings.config import (
     ENV_PREFIX,
     HealthSettings,
@@ -36,6 +37,7 @@ __all__ = [
     "PD_MODES",
     "PD_PROTOCOLS",
     "ROLES",
+    "AgreementSettings",
     "DiscoverySettings",
     "EppSettings",
     "HealthSettings",

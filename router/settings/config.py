@@ -19,6 +19,7 @@ import yaml
 
 from router.errors import ConfigError
 from router.errors import config_check as _check
+from router.settings.agreement import AgreementSettings
 from router.settings.epp import EppSettings
 from router.settings.k8s import KubernetesSettings
 from router.settings.keyfiles import read_key_files
@@ -196,6 +197,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     replicas: ReplicaSettings = msgspec.field(default_factory=ReplicaSettings)
     epp: EppSettings = msgspec.field(default_factory=EppSettings)
     pd: PdSettings = msgspec.field(default_factory=PdSettings)
+    agreement: AgreementSettings = msgspec.field(default_factory=AgreementSettings)
     workers: list[WorkerConfig] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:

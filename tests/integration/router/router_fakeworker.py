@@ -90,6 +90,10 @@ class FakeWorker:
         self.completed = 0
         self.running = 0
         self.cached: set[int] = set()  # engine hashes on GPU
+        #: faults for the closed loop's tests: stores that never reach the stream (no gap in
+        #: seq: silent loss), and answers that report no cached tokens (prefix caching off)
+        self.silent_events = False
+        self.reports_cached = True
         self.seq = 0
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=10_000)
         self.pub = ctx.socket(zmq.PUB)
@@ -171,6 +175,8 @@ class FakeWorker:
         hashes = [engine_hash(tokens, (i + 1) * bs) for i in range(n)]
         if medium is None:
             self.cached.update(hashes)
+        if self.silent_events:
+            return n
         self.publish(
             [
                 BlockStored(
@@ -185,6 +191,8 @@ class FakeWorker:
         return n
 
     def cached_prefix_tokens(self, tokens: Sequence[int]) -> int:
+        if not self.reports_cached:
+            return 0
         bs = self.block_size
         n = 0
         for i in range(len(tokens) // bs):

@@ -128,7 +128,7 @@ def test_an_answers_head_leaves_the_prefill_to_the_events_that_show_it_built(sta
     assert prefill(state) == 4
     store(state, range(2, 4))
     assert prefill(state) == 0 and state.load.get(A).prefilling == {}
-    assert state.placer._awaiting[A] == {}
+    assert state.placer.awaiting._by_rank[A] == {}
     f.done("200")
     assert state.load.get(A) is None
 
@@ -136,10 +136,11 @@ def test_an_answers_head_leaves_the_prefill_to_the_events_that_show_it_built(sta
 def test_a_first_byte_or_an_end_stops_the_wait_for_events(state) -> None:
     f, g = flight(state, "epp", by_events=True), flight(state, "route_account", by_events=True)
     # (g's blocks are f's, predicted there: nothing of its own to build, but it waits for them)
-    assert not g.ticket.prefill_hashes and len(state.placer._awaiting[A]) == 2
+    assert not g.ticket.prefill_hashes and len(state.placer.awaiting._by_rank[A]) == 2
     f.first_byte()
     g.done("released")
-    assert state.placer._awaiting[A] == {}  # nothing kept for a worker whose events never come
+    # nothing kept for a worker whose events never come
+    assert state.placer.awaiting._by_rank[A] == {}
     f.done("200")
 
 
@@ -166,7 +167,7 @@ def test_a_block_past_a_hole_does_not_end_the_prefill(state) -> None:
 def test_a_request_with_nothing_to_build_ends_its_prefill_at_the_head(state) -> None:
     store(state, range(0, 4))
     f = flight(state, "epp", by_events=True)
-    assert not f.ticket.prefill_hashes and not state.placer._awaiting.get(A)
+    assert not f.ticket.prefill_hashes and not state.placer.awaiting._by_rank.get(A)
     f.head()
     assert prefill(state) == 0
     f.done("200")
@@ -176,11 +177,11 @@ def test_only_flights_made_by_events_wait_and_a_rank_holds_a_bounded_number(
     state, monkeypatch
 ) -> None:
     f = flight(state, "proxy")  # its first byte ends the prefill: nothing to wait for
-    assert not state.placer._awaiting.get(A)
+    assert not state.placer.awaiting._by_rank.get(A)
     f.done("200")
-    monkeypatch.setattr("router.placement.placer._MAX_AWAITING", 2)
+    monkeypatch.setattr("router.placement.awaiting._MAX_AWAITING", 2)
     held = [flight(state, "route_account", by_events=True) for _ in range(3)]
-    assert len(state.placer._awaiting[A]) == 2 and held[2].awaiting is None
+    assert len(state.placer.awaiting._by_rank[A]) == 2 and held[2].awaiting is None
     held[2].head()  # past the bound: the head ends it, as before the events did
     assert held[2].ticket.state.name == "DECODE" and held[0].ticket.state.name == "PREFILL"
     for g in held:

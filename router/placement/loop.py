@@ -1,0 +1,160 @@
+"""The closed loop (issue 36; docs/architecture.md §3): every answer that reports cached tokens is
+judged against what the index predicted for its worker when the request was placed
+(:mod:`router.placement.agreement`, the one judge ``kvrouter check`` uses too), one estimate per
+worker. When a worker's reports turn disagreeing, the loop counts it, logs it once with the likely
+cause, and scores that worker from its approximate tree alone (what the router sent it, which no
+wrong event can spoil); once its reports agree again, and not before its hold is over, it goes
+back to its events from a fresh stream. Other workers are untouched.
+
+Pure like the rest of the core: the clock is injected, and the one write it makes — turning a
+worker's ranks approximate or back — goes through :attr:`AgreementLoop.switch`, which the runtime
+binds to ``Subscriber.set_source`` (the index's one writer asks the worker's replay endpoint for
+a fresh stream on the way back, or rebuilds from its live events when it has none) and which is
+the index itself where the caller's loop is its writer (the replay, the unit tests).
+
+Why a hold that doubles: a fault that persists (events still lost) makes the approximate tree
+agree, the events disagree again once back, and so on; each return waits twice as long as the
+last, up to ``max_hold_s``, so such a worker spends nearly all its time on the tree that works.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from router.placement.agreement import AgreementEstimator, Observation, Verdict
+from router.placement.ports import NO_METRICS, PlacementMetrics
+from router.settings.agreement import AgreementSettings
+from router.types import WorkerKey
+
+if TYPE_CHECKING:
+    from indexer.index import PrefixIndex
+    from router.placement.flight import Flight
+
+__all__ = ["AgreementLoop", "observation"]
+
+log = logging.getLogger("kvrouter.agreement")
+
+
+def observation(f: Flight, engine_block_size: int = 0) -> Observation | None:
+    """What flight ``f`` predicted when it was placed against what its answer reported; None when
+    the answer reported no cached tokens, or for the decode leg of a remote pick (its prompt's KV
+    was transferred, not matched: its report says nothing of its own cache)."""
+    if f.cached is None or f.leg == "decode" or f.block_size <= 0:
+        return None
+    return Observation(
+        f.worker,
+        f.prompt_tokens,
+        f.block_size,
+        f.by_tier,
+        f.predicted_blocks,
+        f.cached,
+        engine_block_size,
+    )
+
+
+class AgreementLoop:
+    """Per-worker agreement of reports with the index, and the switch it drives; see the module
+    docstring. Owned by :class:`router.placement.placer.Placer` (``placer.loop``)."""
+
+    def __init__(
+        self,
+        settings: AgreementSettings,
+        index: PrefixIndex,
+        *,
+        metrics: PlacementMetrics = NO_METRICS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.index = index
+        self.metrics = metrics
+        self.clock = clock
+        self.estimator = AgreementEstimator(
+            window=settings.window,
+            window_s=settings.window_s,
+            threshold=settings.threshold,
+            min_requests=settings.min_requests,
+            clock=clock,
+        )
+        #: turns a worker rank approximate (True) or back to its events (False)
+        self.switch: Callable[[WorkerKey, bool], object] = index.set_approximate
+        #: the workers the loop scores from their approximate tree: the verdict that turned
+        #: them, and the earliest time they may go back
+        self.turned: dict[str, tuple[Verdict, float]] = {}
+        #: per worker, how many times it was turned (its next hold doubles)
+        self.trips: dict[str, int] = {}
+
+    def answered(self, f: Flight) -> None:
+        """Flight ``f`` ended (``Flight.done``): judge its answer if it reported cached tokens."""
+        if not self.settings.enabled or f.cached is None:
+            return
+        worker, key = f.worker, f.ticket.key
+        try:
+            rec = self.index.worker(key)
+        except KeyError:  # (it left meanwhile)
+            return
+        # a worker configured without events has nothing to go back to: nothing to switch
+        if rec.approximate and worker not in self.turned:
+            return
+        obs = observation(f, rec.page)
+        if obs is None:
+            return
+        v = self.estimator.observe(obs)
+        if worker in self.turned:
+            if self.clock() >= self.turned[worker][1] and self.estimator.verdict(worker).agrees:
+                self._back(worker)
+        elif v is not None and not v.agrees:
+            self._turn(v)
+
+    def verdict(self, worker: str) -> dict[str, object]:
+        """The worker's standing for ``GET /workers``: its estimate now, and whether the loop
+        scores it from its approximate tree (``scoring``: ``events`` or ``approximate``)."""
+        v = self.estimator.verdict(worker)
+        turned = self.turned.get(worker)
+        shown = turned[0] if turned is not None and v.agrees else v
+        return {
+            "agrees": v.agrees,
+            "kind": shown.kind,
+            "likely": shown.likely,
+            "requests": v.requests,
+            "counts": dict(v.counts),
+            "scoring": "approximate" if turned is not None else "events",
+        }
+
+    def forget(self, worker: str) -> None:
+        """The worker left: its estimate and its hold go with it."""
+        self.estimator.forget(worker)
+        self.turned.pop(worker, None)
+        self.trips.pop(worker, None)
+
+    def _keys(self, worker: str) -> list[WorkerKey]:
+        return [k for k in self.index.workers() if k[0] == worker]
+
+    def _turn(self, v: Verdict) -> None:
+        trips = self.trips[v.worker] = self.trips.get(v.worker, 0) + 1
+        s = self.settings
+        hold = min(s.max_hold_s, s.hold_s * 2 ** (trips - 1))
+        self.turned[v.worker] = (v, self.clock() + hold)
+        log.warning(
+            "worker %s: its reported cached tokens disagree with the index (%s in %d of %d "
+            "answers): likely %s; scored from what the router sent it until they agree again",
+            v.worker,
+            v.kind,
+            v.disagreeing,
+            v.requests,
+            v.likely,
+        )
+        self.metrics.agreement(v.worker, v.kind, True)
+        for key in self._keys(v.worker):
+            self.switch(key, True)
+
+    def _back(self, worker: str) -> None:
+        v, _ = self.turned.pop(worker)
+        log.info("worker %s: its reports agree again: back to its events", worker)
+        self.metrics.agreement(worker, v.kind, False)
+        # the events are judged afresh: the approximate tree's answers say nothing of them
+        self.estimator.forget(worker)
+        for key in self._keys(worker):
+            self.switch(key, False)
