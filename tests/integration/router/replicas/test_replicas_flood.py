@@ -66,7 +66,9 @@ async def test_health_answers_through_a_flood_of_sync_messages(workers, http, tm
             assert time.monotonic() - start < 120, f"{got - base} of {MESSAGES} applied"
         took = time.monotonic() - start
         print(f"flood of {MESSAGES} messages over {took:.1f} s: /health at most {worst:.3f} s")
-        assert asked >= 5 and worst < 1.0, f"/health took {worst:.3f} s"
+        # (against the flood's own time, so a loaded machine slows both: before, /health
+        # waited out whole drains of up to 512 messages, 3.5-3.9 s of a flood like this one)
+        assert asked >= 5 and worst < max(1.0, took / 4), f"/health took {worst:.3f} s"
     finally:
         await one.stop()
         ctx.destroy(linger=0)

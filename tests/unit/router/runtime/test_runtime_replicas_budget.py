@@ -154,7 +154,9 @@ async def test_a_flood_of_heavy_messages_does_not_hold_the_loop() -> None:
         print(
             f"flood: {n} messages applied in {took:.2f} s, the loop at most {late * 1e3:.0f} ms late"
         )
-        assert late < 1.0, f"the loop was held {late:.3f} s"
+        # (against the flood's own time, so a loaded machine slows both: before, one turn took
+        # the whole flood, late ~ took; now a turn is one budget plus one message)
+        assert late < took / 4, f"the loop was held {late:.3f} s of the flood's {took:.2f} s"
         assert a.dropped["oversized"] == a.dropped["stale"] == 0
         assert peak <= budget == 128 << 20 and remote.ended["over_budget"] > 0
     finally:
