@@ -68,7 +68,7 @@ async def test_health_answers_through_a_flood_of_sync_messages(workers, http, tm
         print(f"flood of {MESSAGES} messages over {took:.1f} s: /health at most {worst:.3f} s")
         # (against the flood's own time, so a loaded machine slows both: before, /health
         # waited out whole drains of up to 512 messages, 3.5-3.9 s of a flood like this one)
-        assert asked >= 5 and worst < max(1.0, took / 4), f"/health took {worst:.3f} s"
+        assert asked >= 5 and worst < max(1.0, took / 8), f"/health took {worst:.3f} s"
     finally:
         await one.stop()
         ctx.destroy(linger=0)
