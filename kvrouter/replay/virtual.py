@@ -180,8 +180,10 @@ def run_virtual(
         mode = sim.pd.placer.config.pd.mode
         label = f"kvrouter {fleet.prefill}:{fleet.workers - fleet.prefill} {mode}"
         extra = _pd_columns(sim, fleet)
-    if fleet.faults.label() and isinstance(sim.policy, KvrouterPolicy):
-        label += fleet.faults.label()
+    if isinstance(sim.policy, KvrouterPolicy) and (
+        fleet.faults.label() or sim.policy.looplog.turns
+    ):
+        label += fleet.faults.label()  # (and the loop's turns where it turned a worker)
         extra.update(sim.policy.looplog.columns())
     wall = time.perf_counter() - t_wall
     log = sim.policy.looplog if isinstance(sim.policy, KvrouterPolicy) else None
