@@ -13,9 +13,12 @@ The faulty path is between the engine and the router: the engines themselves run
 report their real prefix-cache hit with every answer (``o.num_cached_tokens``, whole blocks, as
 vLLM's ``cached_tokens``), which the closed loop (:mod:`router.placement.loop`, ``--loop``)
 judges. Its switch is the index's own (``PrefixIndex.set_approximate``: the replay applies
-events to the index itself, so it is the index's one writer); back on events, a rank is rebuilt
-from the live events on, as a worker without a replay endpoint. :class:`LoopLog` records each
-turn for the report.
+events to the index itself, so it is the index's one writer); back on events, the rank takes a
+fresh stream as the subscriber asks the worker's replay endpoint for one: every batch the worker
+published that has reached the router by then (the replay socket is not the faulty path, but a
+worker's seed is its own; a silently restarted publisher holds only what it published since),
+then the live events on. The bundled engine's replay buffer keeps the last 10,000 batches; here
+it keeps all. :class:`LoopLog` records each turn for the report.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from __future__ import annotations
 import argparse
 import random
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,8 +116,12 @@ class FaultInjector:
         self.rng = random.Random(seed)
         #: events each faulty worker lost
         self.dropped: Counter[int] = Counter()
+        #: per worker, what its publisher holds for replay: (when it reaches the router, batch)
+        self.published: dict[int, list[tuple[float, list[Event]]]] = {}
 
-    def events(self, w: int, events: list[Event]) -> list[Event]:
+    def events(self, w: int, events: list[Event], at: float) -> list[Event]:
+        """Worker ``w`` published ``events``, which reach the router at ``at``: what does."""
+        self.published.setdefault(w, []).append((at, events))
         if w in self.drop:
             p, rng, kept = self.faults.drop_p, self.rng, []
             for ev in events:
@@ -132,7 +139,25 @@ class FaultInjector:
             for w in self.restart:
                 engines[w].reset_prefix_cache()
                 engines[w].drain_events()  # its AllBlocksCleared never leaves the worker
+                self.published.pop(w, None)  # (a new publisher: nothing to replay from before)
             self.restart = []
+
+    def replay(self, w: int, now: float) -> list[Event]:
+        """A fresh stream of worker ``w`` at ``now``: every batch it published that has reached
+        the router (those still on the way come live), through its own seed only."""
+        out = [ev for at, batch in self.published.get(w, ()) if at <= now for ev in batch]
+        return (
+            [_salted(ev) if type(ev) is BlockStored else ev for ev in out]
+            if (w in self.seeded)
+            else out
+        )
+
+    def attach(self, policy: Any, clock: Callable[[], float]) -> None:
+        """Policy kvrouter (one router): a worker its loop sends back to its events takes a
+        fresh stream (``LoopLog.fresh``)."""
+        log = getattr(policy, "looplog", None)
+        if log is not None:
+            log.fresh = lambda w: policy.events(w, self.replay(w, clock()), clock())
 
 
 def loop_settings(settings: Settings, faults: Faults) -> Settings:
@@ -157,6 +182,8 @@ class LoopLog:
     answers: Counter[str] = field(default_factory=Counter)
     #: each worker's standing at the run's end (``AgreementLoop.verdict``)
     verdicts: dict[str, dict[str, object]] = field(default_factory=dict)
+    #: applies worker ``w``'s fresh stream to the index (None: rebuilt from the live events on)
+    fresh: Callable[[int], object] | None = None
 
     def columns(self) -> dict[str, Any]:
         """The report's column: each worker's first turn, ``w7@23 worker_ahead``."""
@@ -174,6 +201,9 @@ def watch_loop(placer: Any, log: LoopLog, clock: Any) -> None:
     def recorded(key: WorkerKey, on: bool) -> object:
         verdict = loop.turned[key[0]][0] if on else loop.estimator.verdict(key[0])
         log.turns.append((key[0], on, log.answers[key[0]], verdict.kind, verdict.likely, clock()))
-        return switch(key, on)
+        switch(key, on)
+        if not on and log.fresh is not None:
+            log.fresh(int(key[0][1:]))  # (the replay's workers are w0, w1, ...)
+        return None
 
     loop.switch = recorded

@@ -235,6 +235,7 @@ class _Sim:
         )
         middle = (requests[0].arrival_s + requests[-1].arrival_s) / 2 if requests else 0.0
         self.faults = FaultInjector(fleet.faults, fleet.workers, middle, seed)
+        self.faults.attach(self.policy, self.clock)
         self.pd = self.policy if isinstance(self.policy, KvrouterPdPolicy) else None
         #: PD: requests between their two legs (trace index -> decode engine, prompt)
         self.legs: dict[int, tuple[int, list[int]]] = {}
@@ -367,9 +368,9 @@ class _Sim:
             )
         self.busy[w] = True
         heapq.heappush(self.heap, (now + elapsed, _STEP, next(self.order), (w, outputs)))
-        events = self.faults.events(w, engine.drain_events())
+        at = now + elapsed + self.delay
+        events = self.faults.events(w, engine.drain_events(), at)
         if events:
-            at = now + elapsed + self.delay
             heapq.heappush(self.heap, (at, _EVENTS, next(self.order), (w, events)))
 
     def landed(self, w: int, outputs: list[RequestOutput], now: float) -> None:
