@@ -60,8 +60,9 @@ class Faults:
     #: the closed loop on (the router's default) or off
     loop: bool = True
 
-    def label(self) -> str:
-        """The run's row suffix: the faults and the loop's state ("" for the default)."""
+    def label(self, router: bool = True) -> str:
+        """The run's row suffix: the faults and, for a policy that is the router (``router``),
+        the loop's state ("" for the default)."""
         parts = []
         if self.drop_k and self.drop_p > 0:
             parts.append(f"drop {self.drop_p:.0%} x{self.drop_k}")
@@ -69,6 +70,8 @@ class Faults:
             parts.append(f"restart x{self.restart_k}")
         if self.seed_k:
             parts.append(f"seed x{self.seed_k}")
+        if not router:
+            return f" [{', '.join(parts)}]" if parts else ""
         if not parts and self.loop:
             return ""
         return f" [{', '.join(parts) or 'no fault'}; loop {'on' if self.loop else 'off'}]"

@@ -180,11 +180,11 @@ def run_virtual(
         mode = sim.pd.placer.config.pd.mode
         label = f"kvrouter {fleet.prefill}:{fleet.workers - fleet.prefill} {mode}"
         extra = _pd_columns(sim, fleet)
+    label += fleet.faults.label(router=policy_name.startswith("kvrouter"))
     if isinstance(sim.policy, KvrouterPolicy) and (
         fleet.faults.label() or sim.policy.looplog.turns
     ):
-        label += fleet.faults.label()  # (and the loop's turns where it turned a worker)
-        extra.update(sim.policy.looplog.columns())
+        extra.update(sim.policy.looplog.columns())  # (the loop's turns, where it turned one)
     wall = time.perf_counter() - t_wall
     log = sim.policy.looplog if isinstance(sim.policy, KvrouterPolicy) else None
     return VirtualRun(label, sim.outcomes, end - first, wall, counters, extra, log)

@@ -115,7 +115,9 @@ def test_the_flags() -> None:
     f = faults_of(p.parse_args(["--fault-drop", "0.2:2", "--fault-seed", "1", "--loop", "off"]))
     assert f == Faults(drop_p=0.2, drop_k=2, seed_k=1, loop=False)
     assert f.label() == " [drop 20% x2, seed x1; loop off]"
+    assert f.label(router=False) == " [drop 20% x2, seed x1]"  # (no loop but the router's)
     assert faults_of(p.parse_args([])).label() == ""
+    assert Faults(loop=False).label(router=False) == ""
     for bad in (["--fault-drop", "0.2"], ["--fault-drop", "2:1"], ["--fault-seed", "9"]):
         with pytest.raises(ValueError):
             faults_of(p.parse_args(bad))
