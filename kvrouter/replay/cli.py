@@ -47,6 +47,7 @@ LIVE_DEFAULT = "round_robin,least_load,kvrouter"
 
 
 def _parser() -> argparse.ArgumentParser:
+    from kvrouter.replay.faults import add_fault_arguments
     from kvrouter.replay.live import add_live_arguments
     from kvrouter.replay.pd_sweep import add_pd_arguments
 
@@ -124,6 +125,7 @@ def _parser() -> argparse.ArgumentParser:
         help="policy kvrouter (one router): K of the workers publish no KV events, routed on "
         "what the router sent them (default 0)",
     )
+    add_fault_arguments(v)
     v.add_argument(
         "--sim-option",
         action="append",
@@ -272,6 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run_virtual(args: argparse.Namespace, reqs: list[TraceRequest], names: list[str]) -> list:
     from kvrouter.replay.factory import VIRTUAL_POLICIES
+    from kvrouter.replay.faults import faults_of
     from kvrouter.replay.report import Progress
     from kvrouter.replay.virtual import VirtualFleet, run_virtual
     from router.settings import load_settings
@@ -291,6 +294,7 @@ def _run_virtual(args: argparse.Namespace, reqs: list[TraceRequest], names: list
         event_delay_s=args.event_delay_ms / 1000,
         no_events=max(0, min(args.no_events, args.workers)),
         sim_options=_sim_options(args.sim_option),
+        faults=faults_of(args),
     )
     if args.pd or args.pd_sweep:
         from kvrouter.replay.pd_sweep import run_pd

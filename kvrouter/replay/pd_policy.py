@@ -111,9 +111,10 @@ class KvrouterPdPolicy(KvrouterPolicy):
         assert f is not None
         f.first_byte()
 
-    def finish(self, handle: Any, now: float) -> None:
+    def finish(self, handle: Any, now: float, cached: int | None = None) -> None:
         self.outstanding[handle.decode] -= 1
         if handle.decode_flight is not None:
+            handle.decode_flight.cached = cached  # (a remote pick's decode leg is not judged)
             handle.decode_flight.done("200")
         elif handle.prefill_flight is not None:  # refused before a decode leg (the engine's 400)
             handle.prefill_flight.done("400")

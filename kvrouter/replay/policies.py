@@ -41,6 +41,7 @@ from engine.engine import LLMEngine
 from engine.runner.sim import SimRunner
 from indexer.events import Event
 from indexer.index import PrefixIndex
+from kvrouter.replay.faults import LoopLog, watch_loop
 from kvrouter.replay.trace import leading_run
 from router.fleet.registry import Registry
 from router.placement import PlacementSettings, Placer
@@ -81,7 +82,8 @@ class Policy:
     def first_token(self, handle: Any, now: float) -> None:
         return None
 
-    def finish(self, handle: Any, now: float) -> None:
+    def finish(self, handle: Any, now: float, cached: int | None = None) -> None:
+        """The answer ended; ``cached``: the prompt tokens its worker reported reused."""
         self.outstanding[handle[0]] -= 1
 
     def events(self, worker: int, events: Sequence[Event], now: float) -> None:
@@ -172,6 +174,8 @@ class KvrouterPolicy(Policy):
             self.index.set_rank_capacity((cfg.id, 0), {"GPU": engine.bm.num_blocks})
             self.keys.append((cfg.id, 0))
         self._slot = {k: w for w, k in enumerate(self.keys)}
+        self.looplog = LoopLog()
+        watch_loop(self.placer, self.looplog, clock)
 
     def choose(self, tokens: Sequence[int], now: float) -> tuple[int, Any]:
         d = self.placer.place(tokens)
@@ -187,9 +191,17 @@ class KvrouterPolicy(Policy):
         if not self.early_head:
             handle[1].first_byte()
 
-    def finish(self, handle: Any, now: float) -> None:
+    def finish(self, handle: Any, now: float, cached: int | None = None) -> None:
         super().finish(handle, now)
-        handle[1].done("200")
+        flight = handle[1]
+        if cached is not None:  # as the proxy reads the answer's usage: the loop judges it
+            flight.cached = cached
+            self.looplog.answers[flight.worker] += 1
+        flight.done("200")
+
+    def close(self) -> None:
+        loop = self.placer.loop
+        self.looplog.verdicts = {key[0]: loop.verdict(key[0]) for key in self.keys}
 
     def events(self, worker: int, events: Sequence[Event], now: float) -> None:
         if worker in self.deaf:  # it publishes none: its tree is what was sent there

@@ -102,9 +102,10 @@ class ReplicatedKvrouterPolicy(Policy):
         flight.first_byte()
         self._publish(r, now)
 
-    def finish(self, handle: Any, now: float) -> None:
+    def finish(self, handle: Any, now: float, cached: int | None = None) -> None:
         super().finish(handle, now)
         r, flight = handle[1]
+        flight.cached = cached  # (its replica's loop judges it)
         flight.done("200")
         self._publish(r, now)
 

@@ -44,9 +44,11 @@ from engine.runner import RunnerConfig
 from engine.runner.sim import SimRunner
 from engine.sequence import RemoteKV, Request
 from kvrouter.replay.factory import make_policy
+from kvrouter.replay.faults import FaultInjector, Faults, LoopLog, loop_settings
 from kvrouter.replay.fleet import EngineCounters
 from kvrouter.replay.live_client import LiveOutcome
 from kvrouter.replay.pd_policy import KvrouterPdPolicy
+from kvrouter.replay.policies import KvrouterPolicy
 from kvrouter.replay.replicas import RouterReplicas
 from kvrouter.replay.trace import TraceRequest, check_block_sizes, prompt_tokens
 from router.settings import Settings
@@ -75,6 +77,8 @@ class VirtualFleet:
     #: a PD fleet: the first that many workers are prefill engines, the others decode engines
     #: (0: every worker aggregated, role ``both``)
     prefill: int = 0
+    #: faults on the way from the engines to the router, and the loop on or off
+    faults: Faults = field(default_factory=Faults)
 
     def roles(self) -> list[str]:
         """Each worker's role for the router's table (empty: all ``both``)."""
@@ -94,6 +98,8 @@ class VirtualRun:
     engines: list[EngineCounters]
     #: what a PD fleet's run adds to its row (:func:`kvrouter.replay.report.row`)
     extra: dict[str, Any] = field(default_factory=dict)
+    #: policy kvrouter (one router): the closed loop's turns
+    loop: LoopLog | None = None
 
 
 def _engine(fleet: VirtualFleet, seed: int) -> LLMEngine:
@@ -174,8 +180,14 @@ def run_virtual(
         mode = sim.pd.placer.config.pd.mode
         label = f"kvrouter {fleet.prefill}:{fleet.workers - fleet.prefill} {mode}"
         extra = _pd_columns(sim, fleet)
+    label += fleet.faults.label(router=policy_name.startswith("kvrouter"))
+    if isinstance(sim.policy, KvrouterPolicy) and (
+        fleet.faults.label() or sim.policy.looplog.turns
+    ):
+        extra.update(sim.policy.looplog.columns())  # (the loop's turns, where it turned one)
     wall = time.perf_counter() - t_wall
-    return VirtualRun(label, sim.outcomes, end - first, wall, counters, extra)
+    log = sim.policy.looplog if isinstance(sim.policy, KvrouterPolicy) else None
+    return VirtualRun(label, sim.outcomes, end - first, wall, counters, extra, log)
 
 
 def _pd_columns(sim: _Sim, fleet: VirtualFleet) -> dict[str, Any]:
@@ -215,12 +227,15 @@ class _Sim:
             policy_name,
             self.engines,
             seed=seed,
-            settings=settings or Settings(block_size=fleet.block_size),
+            settings=loop_settings(settings or Settings(block_size=fleet.block_size), fleet.faults),
             clock=self.clock,
             replicas=replicas,
             no_events=fleet.no_events,
             roles=fleet.roles(),
         )
+        middle = (requests[0].arrival_s + requests[-1].arrival_s) / 2 if requests else 0.0
+        self.faults = FaultInjector(fleet.faults, fleet.workers, middle, seed)
+        self.faults.attach(self.policy, self.clock)
         self.pd = self.policy if isinstance(self.policy, KvrouterPdPolicy) else None
         #: PD: requests between their two legs (trace index -> decode engine, prompt)
         self.legs: dict[int, tuple[int, list[int]]] = {}
@@ -267,6 +282,7 @@ class _Sim:
 
     def arrive(self, i: int, now: float) -> None:
         r = self.requests[i]
+        self.faults.arrive(now, self.engines)
         if len(self.blocks) > 100_000:
             self.blocks.clear()
         tokens = prompt_tokens(r, self.trace_block, self.blocks)
@@ -352,9 +368,9 @@ class _Sim:
             )
         self.busy[w] = True
         heapq.heappush(self.heap, (now + elapsed, _STEP, next(self.order), (w, outputs)))
-        events = engine.drain_events()
+        at = now + elapsed + self.delay
+        events = self.faults.events(w, engine.drain_events(), at)
         if events:
-            at = now + elapsed + self.delay
             heapq.heappush(self.heap, (at, _EVENTS, next(self.order), (w, events)))
 
     def landed(self, w: int, outputs: list[RequestOutput], now: float) -> None:
@@ -371,6 +387,6 @@ class _Sim:
             out.output_tokens = o.num_output_tokens
             if o.finished:
                 out.e2e_s = now - self.requests[i].arrival_s
-                self.policy.finish(self.handles.pop(i), now)
+                self.policy.finish(self.handles.pop(i), now, out.cached_tokens)
                 if self.on_done is not None:
                     self.on_done(out)
