@@ -19,7 +19,7 @@ come from 8 ZMQ PUB sockets in this process.
 
 1. route: 8 workers each announce 16 random-length prefixes (up to 32,768 tokens) of 64 shared
    documents (4 system prompts shared by groups of documents) — the state of
-   ``bench_ingest.py``'s match benchmark, delivered as its ingest stream shape (vLLM >= 0.24 wire
+   ``index_workloads.py``'s match benchmark (``bench_ingest.py --only match``), delivered as its ingest stream shape (vLLM >= 0.24 wire
    format, 16-token blocks, 16 blocks per chained ``BlockStored``). Then ``POST /route`` with
    ``token_ids`` of a document's first 4,096 tokens (256 blocks), one request at a time over one
    keep-alive connection (a raw-socket HTTP/1.1 client); latency measured by the client, from
@@ -177,8 +177,8 @@ def wait(cond, timeout: float, what: str) -> None:  # type: ignore[no-untyped-de
 
 
 def build_stream(seed: int = 0) -> tuple[list[list[list]], list[list[int]]]:
-    """Per worker, its BlockStored events (one per message): ``bench_ingest.py``'s match state."""
-    from bench_ingest import match_workload
+    """Per worker, its BlockStored events (one per message): ``index_workloads.py``'s match state."""
+    from index_workloads import match_workload
 
     docs, events = match_workload(WORKERS, DOCS_PER_WORKER, seed)
     streams: list[list[list]] = [[] for _ in range(WORKERS)]
