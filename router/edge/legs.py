@@ -27,6 +27,7 @@ from router.errors import BadRequest
 from router.placement import Choice, Pick
 
 __all__ = [
+    "NIXL_PREFILL",
     "STEERING",
     "LegOut",
     "LegPatch",
@@ -44,8 +45,9 @@ __all__ = [
 STEERING = ("kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room")
 #: SGLang's default bootstrap port (``--disaggregation-bootstrap-port``)
 SGLANG_BOOTSTRAP_PORT = 8998
-#: what vLLM's prefill worker reads to keep the blocks for a remote decode (toy_proxy_server.py)
-_NIXL_PREFILL = {
+#: what vLLM's prefill worker reads to keep the blocks for a remote decode (toy_proxy_server.py);
+#: never mutated (each leg takes a copy)
+NIXL_PREFILL = {
     "do_remote_decode": True,
     "do_remote_prefill": False,
     "remote_engine_id": None,
@@ -157,7 +159,7 @@ def prefill_patch(protocol: str, fields: dict[str, Any] | None = None) -> LegPat
         return LegPatch(set=dict(fields or {}))
     patch = LegPatch(set=dict(_ONE_TOKEN), remove=list(_NOT_ON_PREFILL))
     if protocol == "nixl":
-        patch.set["kv_transfer_params"] = dict(_NIXL_PREFILL)
+        patch.set["kv_transfer_params"] = dict(NIXL_PREFILL)
     return patch
 
 

@@ -74,34 +74,31 @@ class ReplicaCollector(Collector):
             c = CounterMetricFamily(f"kvrouter_replica_sync_{name}", doc)
             c.add_metric([], value)
             yield c
-        dropped = CounterMetricFamily(
-            "kvrouter_replica_sync_dropped",
-            "replica sync messages (or events in them) dropped, by reason",
-            labels=["reason"],
-        )
-        for reason, n in sorted(s.dropped.items()):
-            dropped.add_metric([reason], n)
-        yield dropped
-        ended = CounterMetricFamily(
-            "kvrouter_replica_remote_tickets_ended",
-            "peers' tickets ended here, by reason (ended by their owner, expired by TTL, evicted "
-            "past replicas.max_remote_tickets, over_budget past max_peer_state_mib or "
-            "max_remote_state_mib, peer_lost, worker_removed)",
-            labels=["reason"],
-        )
-        for reason, n in sorted(s.ended.items()):
-            ended.add_metric([reason], n)
-        yield ended
-        hs = CounterMetricFamily(
-            "kvrouter_replica_sync_handshakes_failed",
-            "replica sync connections refused at the CURVE handshake, by reason: auth (a "
-            "subscriber's key is not the peer key), crypto (a peer holds another peer key), "
-            "mechanism (one side has no peer key), other",
-            labels=["reason"],
-        )
-        for reason, n in sorted(s.handshake_failed.items()):
-            hs.add_metric([reason], n)
-        yield hs
+        for name, doc, counts in (
+            (
+                "kvrouter_replica_sync_dropped",
+                "replica sync messages (or events in them) dropped, by reason",
+                s.dropped,
+            ),
+            (
+                "kvrouter_replica_remote_tickets_ended",
+                "peers' tickets ended here, by reason (ended by their owner, expired by TTL, "
+                "evicted past replicas.max_remote_tickets, over_budget past max_peer_state_mib "
+                "or max_remote_state_mib, peer_lost, worker_removed)",
+                s.ended,
+            ),
+            (
+                "kvrouter_replica_sync_handshakes_failed",
+                "replica sync connections refused at the CURVE handshake, by reason: auth (a "
+                "subscriber's key is not the peer key), crypto (a peer holds another peer key), "
+                "mechanism (one side has no peer key), other",
+                s.handshake_failed,
+            ),
+        ):
+            by_reason = CounterMetricFamily(name, doc, labels=["reason"])
+            for reason, n in sorted(counts.items()):
+                by_reason.add_metric([reason], n)
+            yield by_reason
         for name, doc, v in (
             ("kvrouter_replica_remote_tickets", "peers' tickets live here", s.remote_tickets),
             (

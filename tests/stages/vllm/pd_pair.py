@@ -18,20 +18,16 @@ from typing import Any
 
 import httpx
 
+from router.edge.legs import NIXL_PREFILL
+
 sys.path.insert(0, str(Path(__file__).parent))
 from vllm_server import PAGE, Vllm, free_port
 
 NIXL = '{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_buffer_device":"cpu"}'
 
-# the prefill leg's transfer request: "decode elsewhere, keep my blocks for a pull"
-REMOTE_DECODE = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+# the prefill leg's transfer request: "decode elsewhere, keep my blocks for a pull" (the
+# router's own, so the by-hand exchange sends vLLM exactly what the router would)
+REMOTE_DECODE = NIXL_PREFILL
 
 #: a ``sitecustomize`` that keeps NIXL's progress thread from busy-polling a core (its docstring)
 IDLE_SHIM = Path(__file__).parent / "nixl_idle"

@@ -19,18 +19,12 @@ import zmq
 from indexer.events import BlockStored
 from indexer.wire import decode_payload, decode_replay_reply, encode_replay_request
 from kvrouter.up import ENGINE_READY, Child, spawn, stop_children
+from router.edge.legs import NIXL_PREFILL
 
 __all__ = ["PREFILL_LEG", "Engine", "engines", "gpu_stores"]
 
-#: what a router puts in the prefill leg (vLLM's toy proxy; the router's ``nixl`` protocol)
-PREFILL_LEG: dict[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+#: what the router puts in the prefill leg (its ``nixl`` protocol, vLLM's toy proxy's)
+PREFILL_LEG: dict[str, Any] = NIXL_PREFILL
 
 
 @dataclass
