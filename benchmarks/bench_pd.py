@@ -43,8 +43,8 @@ read its PD-added figure as a lower bound.
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -57,7 +57,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from pd_client import Client, get, spawn  # noqa: E402
+from children import Children  # noqa: E402
+from pd_client import Client, get  # noqa: E402
 from pd_worker import MODEL  # noqa: E402
 
 WAYS = ("a", "b", "c", "d")
@@ -295,14 +296,17 @@ def main(argv: list[str] | None = None) -> bool:
     ready = r"worker (http://\S+) events=(\S+)"
     env = dict(kv.split("=", 1) for kv in args.router_env)
     env.update(KVROUTER_PD__MODE="always", KVROUTER_PD__PROTOCOL="nixl")
-    procs: list[subprocess.Popen[str]] = []
     runs: list[tuple[str, list[dict[str, list[float]]]]] = []
     tables = []
-    try:
-        p, pm = spawn([*me, "prefill"], ready)
-        procs.append(p)
-        d, dm = spawn([*me, "decode"], ready)
-        procs.append(d)
+    with Children("bench-pd") as kids:
+
+        def started(
+            label: str, argv: list[str], pattern: str, env: dict[str, str] | None = None
+        ) -> re.Match[str]:
+            return kids.spawn(label, argv, env).wait_line(re.compile(pattern), 60, kids.stop)
+
+        pm = started("prefill", [*me, "prefill"], ready)
+        dm = started("decode", [*me, "decode"], ready)
         urls = {"p": pm.group(1), "d": dm.group(1)}
         router = [sys.executable, "-m", "router", "--port", "0", "--log-level", "warning"]
         listening = r"listening on (http://\S+)"
@@ -312,9 +316,7 @@ def main(argv: list[str] | None = None) -> bool:
             "agg": ["--worker", f"id=d0,url={urls['d']},events={dm.group(2)}"],
         }  # fmt: skip
         for name, workers in fleets.items():
-            r, m = spawn([*router, *workers], listening, env)
-            procs.append(r)
-            urls[name] = m.group(1)
+            urls[name] = started(f"router-{name}", [*router, *workers], listening, env).group(1)
         deadline = time.monotonic() + 60
         while any(get(urls[n], "/ready")[0] != 200 for n in fleets):
             if time.monotonic() > deadline:
@@ -333,14 +335,6 @@ def main(argv: list[str] | None = None) -> bool:
                 title = f"{kind}, {how}, {args.prompt_chars}-char prompt"
                 runs.append((title, rounds))
                 tables.append((title, summarize(rounds), min(len(r["a"]) for r in rounds)))
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.wait(30)
-            proc.drain.join(10)  # type: ignore[attr-defined]
-            assert proc.stdout is not None
-            proc.stdout.close()
     ok = all([print_table(*t) for t in tables])
     plot(args.plot, runs)
     return ok

@@ -1,44 +1,13 @@
-"""What ``benchmarks/bench_pd.py`` drives its processes with: ``spawn`` (a child, once it printed
-its ready line) and ``Client`` (one keep-alive HTTP/1.1 connection over a raw socket, so the
-client's own cost stays small beside the latencies measured)."""
+"""What ``benchmarks/bench_pd.py`` talks to its processes with: ``Client`` (one keep-alive HTTP/1.1
+connection over a raw socket, so the client's own cost stays small beside the latencies
+measured) and ``get`` (a plain GET). Its children are ``benchmarks/children.py``'s."""
 
 from __future__ import annotations
 
-import os
-import re
 import socket
-import subprocess
-import threading
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def spawn(
-    args: list[str], pattern: str, env: dict[str, str] | None = None
-) -> tuple[subprocess.Popen[str], re.Match[str]]:
-    """A child process, once it printed ``pattern`` (its match)."""
-    full = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env=full, cwd=str(ROOT))
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        m = re.search(pattern, line)
-        if m:  # (read on, so that a chatty child never blocks on a full pipe)
-            drain = threading.Thread(target=proc.stdout.read, daemon=True)
-            drain.start()
-            proc.drain = drain  # type: ignore[attr-defined]
-            return proc, m
-    proc.kill()
-    proc.wait(30)
-    proc.stdout.close()
-    raise SystemExit(f"{args[:4]} did not start")
 
 
 class Client:
