@@ -13,8 +13,8 @@ from collections import deque
 from typing import Any
 
 import msgspec
-from aiohttp import web
 from replica_procs import ADMIN, RouterProc, ready, route, until
+from snapshot_peer import SnapshotServer
 
 from router.runtime.replicas import SNAPSHOT_PATH, SNAPSHOT_TYPE
 
@@ -146,7 +146,7 @@ async def test_a_poisoned_snapshot_is_refused_and_the_replica_starts_cold(worker
     a.store(toks(7, 4))
     peer = await RouterProc.start(tmp_path, "peer", config([a]))
     made = [peer]
-    runner = None
+    server = None
     try:
         await until(lambda: ready(http, peer.url), 30, "peer ready")
         await until(lambda: _holds(http, peer.url, toks(7, 4)), 20, "the peer's index")
@@ -156,24 +156,16 @@ async def test_a_poisoned_snapshot_is_refused_and_the_replica_starts_cold(worker
         obj["workers"][0]["router_hashes"][0] = -5
         poisoned = msgspec.msgpack.encode(obj)
 
-        async def serve(request: web.Request) -> web.Response:
-            return web.Response(body=poisoned, content_type=SNAPSHOT_TYPE)
-
-        app = web.Application()
-        app.router.add_get(SNAPSHOT_PATH, serve)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        server = await SnapshotServer(poisoned).start()
+        url = server.url
         r = await RouterProc.start(tmp_path, "r", config([a], warm_from=[url]))
         made.append(r)
         await until(lambda: ready(http, r.url), 30, "the replica ready")
         assert "not a usable index snapshot" in r.log() and "starting cold" in r.log()
     finally:
         await asyncio.gather(*(x.stop() for x in made))
-        if runner is not None:
-            await runner.cleanup()
+        if server is not None:
+            await server.aclose()
 
 
 async def _holds(http: Any, url: str, tokens: list[int]) -> bool:
