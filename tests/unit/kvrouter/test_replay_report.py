@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import io
 import os
+import select
+import time
 
 from kvrouter.replay.report import Progress, format_table
 
@@ -16,12 +18,24 @@ def test_on_a_terminal_the_bar_is_redrawn_and_ends_with_the_total() -> None:
             bar = Progress("kvrouter", 20, tty)
             for _ in range(20):
                 bar()
-        got = os.read(master, 65536).decode()  # (20 redraws: well within the pty's buffer)
+        got = _read_until(master, "20/20\r\n")
     finally:
         os.close(master)
         os.close(slave)
     assert got.count("\r") >= 20  # each redraw returns to the line's start
     assert got.endswith("[" + "#" * 30 + "] 20/20\r\n")  # (the pty's newline is \r\n)
+
+
+def _read_until(fd: int, tail: str, timeout_s: float = 10.0) -> str:
+    """What the pty gave until ``tail`` arrived: one ``read`` may return only part of what was
+    written (the line discipline hands it over in pieces)."""
+    got, deadline = "", time.monotonic() + timeout_s
+    while not got.endswith(tail):
+        left = deadline - time.monotonic()
+        assert left > 0, f"the pty gave {got!r}, never {tail!r}"
+        if select.select([fd], [], [], left)[0]:
+            got += os.read(fd, 65536).decode()
+    return got
 
 
 def test_elsewhere_it_prints_a_plain_line_at_each_quarter() -> None:
