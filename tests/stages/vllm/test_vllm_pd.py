@@ -29,12 +29,8 @@ from tests.waiting import poll
 sys.path.insert(0, str(Path(__file__).parent))
 from pd_pair import body, cached, post, prefill_leg, start_pair, stop_pair
 from tiny_model import make_tiny_llama, words
-from vllm_server import BS, PAGE, Vllm, serve, stop_router
+from vllm_server import BS, PAGE, ROUTER_ENV, Vllm, metric, serve, stop_router
 
-# The machine CI runs on stalls for seconds at times (it did for 10-30 s while NIXL's progress
-# threads kept both cores busy: nixl_idle/ stops that); a router's health check (1 s by default)
-# must outlast a stall, or it marks one of the pair down mid-test; the index waits get a minute.
-ROUTER_ENV = {"KVROUTER_HEALTH__TIMEOUT_S": "10"}
 ALWAYS = {**ROUTER_ENV, "KVROUTER_PD__MODE": "always"}
 
 
@@ -68,15 +64,6 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
             stop_router(always)
     finally:
         stop_pair(p, d)
-
-
-def metric(url: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        head, _, value = line.rpartition(" ")
-        if head.split("{")[0] == name and all(f'{k}="{v}"' in head for k, v in labels.items()):
-            total += float(value)
-    return total
 
 
 def matched_on(url: str, prompt: str, worker: str) -> int:

@@ -22,6 +22,10 @@ PAGE = 32  # vLLM's CPU backend takes multiples of 32
 BS = 16  # the router's block: two per vLLM page, so credit must be rounded to whole pages
 KEY = "stage-admin"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+# The machine CI runs on stalls for seconds at times (it did for 10-30 s while NIXL's progress
+# threads kept both cores busy: nixl_idle/ stops that); a router's health check (1 s by default)
+# must outlast a stall, or it marks a worker down mid-test; the index waits get a minute.
+ROUTER_ENV = {"KVROUTER_HEALTH__TIMEOUT_S": "10"}
 
 
 _taken: set[int] = set()
@@ -53,9 +57,11 @@ class Vllm:
         page: int = PAGE,
         *args: str,
         env: dict[str, str] | None = None,
+        events: bool = True,
     ) -> None:
         self.model, self.log, self.page, self.args = model, log, page, args
         self.env = env or {}
+        self.with_events = events  # False: no --kv-events-config (a worker without events)
         self.port, self.events, self.replay = free_port(), free_port(), free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self._out: Any = None
@@ -75,6 +81,7 @@ class Vllm:
             '{"enable_kv_cache_events": true, "publisher": "zmq", '
             f'"endpoint": "tcp://*:{self.events}", "replay_endpoint": "tcp://*:{self.replay}"}}'
         )
+        events = ("--kv-events-config", cfg) if self.with_events else ()
         if self._out is None:
             self._out = open(self.log, "ab")  # noqa: SIM115 - closed by stop(final=True)
         self.proc = subprocess.Popen(
@@ -82,7 +89,7 @@ class Vllm:
              "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(self.port),
              "--block-size", str(self.page), "--max-model-len", "2048", "--dtype", "float32",
              "--enable-prefix-caching", "--enable-prompt-tokens-details",
-             "--kv-events-config", cfg, *self.args],
+             *events, *self.args],
             stdout=self._out, stderr=subprocess.STDOUT, env=env,
             start_new_session=True,
         )  # fmt: skip
@@ -145,3 +152,13 @@ def stop_router(proc: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """The sum of the router's ``name`` samples whose labels include ``labels``."""
+    total = 0.0
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        head, _, value = line.rpartition(" ")
+        if head.split("{")[0] == name and all(f'{k}="{v}"' in head for k, v in labels.items()):
+            total += float(value)
+    return total
