@@ -26,9 +26,9 @@ export VLLM_PYTHON="$PWD/.venv-vllm/bin/python"
 unshare --net bash -c '
   set -e
   ip link set lo up
-  timeout 480 python -m pytest -q tests/stages/vllm/test_vllm_truth.py
+  timeout 480 python -m pytest -q --timeout 460 tests/stages/vllm/test_vllm_truth.py
   # a real prefill/decode pair (two servers started at once, ~50 s) behind kvrouter: about 65 s
-  timeout 360 python -m pytest -q tests/stages/vllm/test_vllm_pd.py
+  timeout 360 python -m pytest -q --timeout 340 tests/stages/vllm/test_vllm_pd.py
   # a mixed fleet (one server with events, one without, started at once, ~100 s) and the closed
   # loop: stores lost on the way (a relay in the test) named from the cached_tokens vLLM
   # reports, then recovered: about 3 minutes here on a shared 2-core machine
