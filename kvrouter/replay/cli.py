@@ -353,15 +353,19 @@ def _run_live(args: argparse.Namespace, reqs: list[TraceRequest], names: list[st
         speedup=args.speedup,
     )
     runs = [(name, targets) for name in names]
-    if args.pd:  # policy kvrouter once per --pd-mode (default: the router's own)
+    if args.pd:  # kvrouter once per --pd-mode (default: the router's own), vllm-router per policy
         from kvrouter.replay.pd_sweep import pd_modes
 
         modes = pd_modes(args.pd_mode) if args.pd_mode else [None]
-        runs = [
-            (n, replace(targets, pd_mode=m))
-            for n in names
-            for m in (modes if n == "kvrouter" else [None])
-        ]
+        vllm = [p for p in args.vllm_router_policy.split(",") if p]
+        runs = []
+        for n in names:
+            if n == "kvrouter":
+                runs += [(n, replace(targets, pd_mode=m)) for m in modes]
+            elif n == "vllm-router":
+                runs += [(n, replace(targets, vllm_router_policy=v)) for v in vllm]
+            else:
+                runs.append((n, targets))
     out = []
     with open(args.children_log or os.devnull, "w") as log:
         for name, where in runs:

@@ -84,7 +84,8 @@ class EngineCounters:
     role: str = "both"
     #: prompt tokens looked up in its prefix cache (a preempted request's recompute looks again)
     queried_tokens: int = 0
-    #: its ``kvrouter_engine_pd_*`` samples, each summed over its labels (engine.metrics)
+    #: its ``kvrouter_engine_pd_*`` samples, each summed over its labels (engine.metrics), and
+    #: by reason (``NAME:REASON``, ``NAME:HOW``)
     pd: dict[str, float] = field(default_factory=dict)
 
 
@@ -313,6 +314,9 @@ def engine_counters(url: str, role: str = "both") -> EngineCounters:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             values[sample.name] = values.get(sample.name, 0.0) + sample.value
+            why = sample.labels.get("reason") or sample.labels.get("how")
+            if why and sample.name.startswith("kvrouter_engine_pd_"):  # also by its reason
+                values[f"{sample.name}:{why}"] = sample.value
     return EngineCounters(
         requests=int(values.get("vllm:e2e_request_latency_seconds_count", 0)),
         prompt_tokens=int(values.get("vllm:prompt_tokens_total", 0)),

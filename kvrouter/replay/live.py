@@ -19,7 +19,7 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TextIO
+from typing import Any, TextIO
 
 import httpx
 
@@ -103,7 +103,7 @@ class PolicyRun:
     #: CPU seconds the gateway (Envoy, policy kvrouter-epp) used during the run
     gateway_cpu_s: float | None = None
     #: a PD fleet's own columns (:func:`pd_columns`)
-    extra: dict[str, float] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def run_policy(
@@ -303,7 +303,12 @@ def add_live_arguments(p: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="vllm-router (0.1.17) for policy vllm-router on a --pd fleet",
     )
-    a("--vllm-router-policy", default="kv_aware", help="its --policy (default kv_aware)")
+    a(
+        "--vllm-router-policy",
+        default="kv_aware",
+        metavar="POLICIES",
+        help="its --policy, comma-separated: a run each (default kv_aware)",
+    )
     a("--max-inflight", type=int, default=2048, help="streams open at once (default 2048)")
     a("--children-log", help="file for the fleet's output (default: discarded)")
 
