@@ -61,6 +61,12 @@ class EngineStats:
     tier_errors: int = 0
     offload_skipped: int = 0
     events: dict[str, int] = field(default_factory=dict)
+    #: the prefill side's leases (engine.pd.leases): granted, held now (and their blocks), ended
+    #: by how (pulled, expired, evicted, refused: never granted)
+    leases_granted: int = 0
+    leases_held: int = 0
+    lease_blocks: int = 0
+    leases_ended: dict[str, int] = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -245,10 +251,13 @@ class LLMEngine:
             if tuple(block_ids) != lease.block_ids:
                 raise KvTransferError(
                     f"transfer {transfer_id!r}: asked for {len(block_ids)} blocks "
-                    f"{block_ids[:4]}..., the lease holds {len(lease.block_ids)} other ones"
+                    f"{block_ids[:4]}..., the lease holds {len(lease.block_ids)} other ones",
+                    "block_mismatch",
                 )
             if not 0 <= first <= len(block_ids):
-                raise KvTransferError(f"transfer {transfer_id!r}: no block {first} to start at")
+                raise KvTransferError(
+                    f"transfer {transfer_id!r}: no block {first} to start at", "block_mismatch"
+                )
             return lease, export_blocks(self.tiers, lease.block_ids[first:])
         finally:
             self.leases.done(lease)
@@ -324,6 +333,10 @@ class LLMEngine:
             tier_errors=self.tiers.errors,
             offload_skipped=self.tiers.skipped,
             events=dict(self.events.counts),
+            leases_granted=self.leases.granted,
+            leases_held=len(self.leases),
+            lease_blocks=self.leases.num_blocks,
+            leases_ended=dict(self.leases.ended),
         )
 
     def close(self) -> None:

@@ -5,6 +5,11 @@ Gauges and counters are read from the engine loop's latest :class:`EngineStats` 
 ``vllm:cache_config_info`` says the cache's size as vLLM does (a gauge of 1 whose labels are the
 cache config, ``num_gpu_blocks`` among them), with the DISK and EXTERNAL tiers' sizes vLLM has
 no label for: a router caps this worker's entries in its index at them.
+
+The prefill/decode exchange (:mod:`engine.pd`) has its own ``kvrouter_engine_pd_*`` counters
+(:class:`_PdCollector`; docs/metrics.md lists them): pulls served and refused on the prefill
+side, done, failed and recomputed on the decode side (failures by
+:data:`engine.pd.params.FAILURE_REASONS`), blocks and bytes pulled, leases opened and ended.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from prometheus_client.registry import Collector
 
 from engine.config import EngineConfig
 from engine.engine import EngineStats
+from engine.pd.legs import PdCounters
+from engine.pd.params import FAILURE_REASONS
 
 __all__ = ["EngineMetrics", "cache_config_labels"]
 
@@ -117,15 +124,90 @@ class _StatsCollector(Collector):
         )
 
 
+#: ``kvrouter_engine_pd_leases_ended``'s ``how`` label (engine.pd.leases: refused is counted apart,
+#: those leases never began)
+LEASE_ENDINGS = ("pulled", "expired", "evicted")
+
+#: the PD metrics: name -> (type, label besides model_name, help); the one place they are named (docs/metrics.md lists them)
+PD_METRICS = {
+    "kvrouter_engine_pd_pulls_served": ("counter", "", "Prefill side: pulls answered with blocks."),
+    "kvrouter_engine_pd_pulls_refused": ("counter", "reason", "Prefill side: pulls refused."),
+    "kvrouter_engine_pd_pulls_done": (
+        "counter", "", "Decode side: pulls whose blocks arrived and were checked."
+    ),
+    "kvrouter_engine_pd_pulls_failed": (
+        "counter", "reason", "Decode side: pulls that failed (answered 500, or recomputed)."
+    ),
+    "kvrouter_engine_pd_pulls_recomputed": (
+        "counter", "", "Decode side: failed pulls prefilled here (--kv-load-failure-policy recompute)."
+    ),
+    "kvrouter_engine_pd_pulled_blocks": ("counter", "", "Decode side: KV blocks pulled."),
+    "kvrouter_engine_pd_pulled_bytes": ("counter", "", "Decode side: KV bytes pulled."),
+    "kvrouter_engine_pd_leases_opened": ("counter", "", "Prefill side: leases granted."),
+    "kvrouter_engine_pd_leases_ended": (
+        "counter", "how", "Prefill side: leases ended: pulled, expired, evicted (by the bound)."
+    ),
+    "kvrouter_engine_pd_leases_refused": (
+        "counter", "", "Prefill side: leases not granted (larger than the bound)."
+    ),
+    "kvrouter_engine_pd_leases_held": ("gauge", "", "Prefill side: leases held now."),
+    "kvrouter_engine_pd_lease_blocks": ("gauge", "", "Prefill side: KV blocks leases hold now."),
+}  # fmt: skip
+
+
+class _PdCollector(Collector):
+    def __init__(
+        self, model: str, stats: Callable[[], EngineStats], pd: Callable[[], PdCounters]
+    ) -> None:
+        self.model, self.stats, self.pd = model, stats, pd
+
+    @staticmethod
+    def _family(name: str) -> CounterMetricFamily | GaugeMetricFamily:
+        kind, label, doc = PD_METRICS[name]
+        cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+        return cls(name, doc, labels=["model_name", *([label] if label else [])])
+
+    def collect(self) -> Iterator[Metric]:
+        s, c, m = self.stats(), self.pd(), self.model
+        plain = {
+            "kvrouter_engine_pd_pulls_served": c.served,
+            "kvrouter_engine_pd_pulls_done": c.done,
+            "kvrouter_engine_pd_pulls_recomputed": c.recomputed,
+            "kvrouter_engine_pd_pulled_blocks": c.blocks,
+            "kvrouter_engine_pd_pulled_bytes": c.bytes,
+            "kvrouter_engine_pd_leases_opened": s.leases_granted,
+            "kvrouter_engine_pd_leases_refused": s.leases_ended.get("refused", 0),
+            "kvrouter_engine_pd_leases_held": s.leases_held,
+            "kvrouter_engine_pd_lease_blocks": s.lease_blocks,
+        }
+        for name, value in plain.items():
+            family = self._family(name)
+            family.add_metric([m], value)
+            yield family
+        labelled = (  # every label value, zeros too: a rate over a series that appears is wrong
+            ("kvrouter_engine_pd_pulls_refused", FAILURE_REASONS, c.refused),
+            ("kvrouter_engine_pd_pulls_failed", FAILURE_REASONS, c.failed),
+            ("kvrouter_engine_pd_leases_ended", LEASE_ENDINGS, s.leases_ended),
+        )
+        for name, keys, counts in labelled:
+            family = self._family(name)
+            for key in keys:
+                family.add_metric([m, key], counts.get(key, 0))
+            yield family
+
+
 class EngineMetrics:
     def __init__(
         self,
         model: str,
         stats: Callable[[], EngineStats],
         cache_config: Mapping[str, str] | None = None,
+        pd: Callable[[], PdCounters] | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_StatsCollector(model, stats, cache_config or {}))
+        if pd is not None:
+            self.registry.register(_PdCollector(model, stats, pd))
         self.ttft = Histogram(
             "vllm:time_to_first_token_seconds",
             "Time to first token (wall clock, from request receipt).",

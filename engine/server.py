@@ -82,7 +82,10 @@ def create_app(
                 engine,
                 tokenizer,
                 EngineMetrics(
-                    model, lambda: engine.stats, cache_config_labels(cfg, settings.dp_rank)
+                    model,
+                    lambda: engine.stats,
+                    cache_config_labels(cfg, settings.dp_rank),
+                    pd.counters,
                 ),
                 publisher,
                 model,

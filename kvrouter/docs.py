@@ -208,7 +208,33 @@ def metrics_md() -> str:
     ]
     for name, typ, labels, doc in metric_rows():
         lines.append(f"| `{name}` | {typ} | {labels} | {doc.replace('|', chr(92) + '|')} |")
+    lines += _engine_pd_md()
     return "\n".join(lines) + "\n"
+
+
+def _engine_pd_md() -> list[str]:
+    """The bundled engine's prefill/decode metrics (``engine.metrics.PD_METRICS``)."""
+    from engine.metrics import LEASE_ENDINGS, PD_METRICS
+    from engine.pd.params import FAILURE_REASONS
+
+    lines = [
+        "",
+        "## The bundled engine's prefill/decode metrics",
+        "",
+        "On the engine's own `GET /metrics` (`kvrouter engine --role prefill|decode|both`), each",
+        "labelled `model_name` too. `reason`: "
+        + ", ".join(f"`{r}`" for r in FAILURE_REASONS)
+        + " (`engine.pd.params.FAILURE_REASONS`); `how`: "
+        + ", ".join(f"`{h}`" for h in LEASE_ENDINGS)
+        + ".",
+        "",
+        "| metric | type | labels | description |",
+        "|---|---|---|---|",
+    ]
+    for name, (typ, label, doc) in sorted(PD_METRICS.items()):
+        suffix = "_total" if typ == "counter" else ""
+        lines.append(f"| `{name}{suffix}` | {typ} | {label} | {doc} |")
+    return lines
 
 
 def generated() -> dict[Path, str]:

@@ -34,7 +34,9 @@ def export_blocks(tiers: TierManager, block_ids: Sequence[int]) -> list[bytes]:
                 break
             slots.append(slot)
         if not slots:
-            raise KvTransferError("no free staging slot to copy the blocks out (--staging-blocks)")
+            raise KvTransferError(
+                "no free staging slot to copy the blocks out (--staging-blocks)", "no_staging"
+            )
         try:
             chunk = block_ids[len(out) : len(out) + len(slots)]
             tiers.runner.swap_out(list(zip(chunk, slots))).wait()

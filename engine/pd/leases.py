@@ -56,6 +56,8 @@ class LeaseTable:
         self.clock = clock
         self._leases: OrderedDict[str, Lease] = OrderedDict()  # oldest first
         self.num_blocks = 0
+        #: leases granted since the start
+        self.granted = 0
         #: leases ended, by how: pulled, expired, evicted (the bound), refused (too large)
         self.ended: dict[str, int] = {"pulled": 0, "expired": 0, "evicted": 0, "refused": 0}
 
@@ -78,7 +80,7 @@ class LeaseTable:
         """Hold ``block_ids`` (``hold`` takes the references) under a new lease; None if the
         lease alone would exceed the bound."""
         if transfer_id in self._leases:
-            raise KvTransferError(f"transfer {transfer_id!r} is already leased")
+            raise KvTransferError(f"transfer {transfer_id!r} is already leased", "bad_params")
         if len(block_ids) > self.max_blocks:
             self.ended["refused"] += 1
             return None
@@ -94,6 +96,7 @@ class LeaseTable:
         )
         self._leases[transfer_id] = lease
         self.num_blocks += len(block_ids)
+        self.granted += 1
         return lease
 
     def take(self, transfer_id: str) -> Lease:
@@ -104,7 +107,8 @@ class LeaseTable:
         if lease is None:
             raise KvTransferError(
                 f"unknown transfer {transfer_id!r}: never leased here, already pulled, or its "
-                f"lease ({self.lease_s:g} s) ended"
+                f"lease ({self.lease_s:g} s) ended",
+                "unknown_transfer",
             )
         self.num_blocks -= len(lease.block_ids)
         return lease

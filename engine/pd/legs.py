@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from engine.async_engine import AsyncEngine
@@ -29,13 +30,28 @@ from engine.pd.side_channel import BlockEndpoint, pull
 from engine.pd.wire import PullAnswer, PullRequest
 from engine.sequence import RemoteKV, Request
 
-__all__ = ["PdNode", "PdRequestError"]
+__all__ = ["PdCounters", "PdNode", "PdRequestError"]
 
 log = logging.getLogger("engine.pd")
 
 
 class PdRequestError(ValueError):
     """A leg this engine's role does not take, or params that cannot be a leg: a 400."""
+
+
+@dataclass(frozen=True)
+class PdCounters:
+    """The PD side's counters since the start, for ``/metrics`` (engine.metrics names them)."""
+
+    #: prefill side: pulls answered with blocks, and refused by reason
+    served: int
+    refused: dict[str, int]
+    #: decode side: pulls done (blocks pulled and checked), failed by reason, then recomputed
+    done: int
+    failed: dict[str, int]
+    recomputed: int
+    blocks: int
+    bytes: int
 
 
 class PdNode:
@@ -67,7 +83,10 @@ class PdNode:
         )
         #: decode legs by outcome: pulled, failed (answered 500), recomputed (prefilled here)
         self.pulls: dict[str, int] = {"pulled": 0, "failed": 0, "recomputed": 0}
+        #: failed decode legs (answered 500 or recomputed) by engine.pd.params.FAILURE_REASONS
+        self.failures: dict[str, int] = {}
         self.pulled_blocks = 0
+        self.pulled_bytes = 0
 
     @classmethod
     def of(cls, engine: AsyncEngine, settings: ServerSettings) -> PdNode:
@@ -110,6 +129,7 @@ class PdNode:
         try:
             req.remote_kv = await self._pull(params, req.prompt_token_ids)
         except KvTransferError as exc:
+            self.failures[exc.reason] = self.failures.get(exc.reason, 0) + 1
             if self.policy == "fail":
                 self.pulls["failed"] += 1
                 raise
@@ -118,6 +138,7 @@ class PdNode:
             return
         self.pulls["pulled"] += 1
         self.pulled_blocks += len(req.remote_kv.blocks)  # those it lacked
+        self.pulled_bytes += sum(map(len, req.remote_kv.blocks))
 
     def answer_params(self, out: RequestOutput) -> dict[str, Any] | None:
         """A finished prefill leg's ``kv_transfer_params`` (None: no lease was granted, and the
@@ -144,17 +165,31 @@ class PdNode:
             "engine_id": self.engine_id,
             "endpoint": f"{ep.host}:{ep.port}" if ep else None,
             "served": ep.served if ep else 0,
-            "refused": ep.refused if ep else 0,
+            "refused": sum(ep.refused.values()) if ep else 0,
             "pulls": dict(self.pulls),
             "pulled_blocks": self.pulled_blocks,
+            "block_bytes": self.block_bytes,
         }
+
+    def counters(self) -> PdCounters:
+        ep = self.endpoint
+        return PdCounters(
+            served=ep.served if ep else 0,
+            refused=dict(ep.refused) if ep else {},
+            done=self.pulls["pulled"],
+            failed=dict(self.failures),
+            recomputed=self.pulls["recomputed"],
+            blocks=self.pulled_blocks,
+            bytes=self.pulled_bytes,
+        )
 
     # ------------------------------------------------------------------ prefill side
 
     async def _export(self, req: PullRequest) -> PullAnswer:
         if req.engine_id != self.engine_id:
             raise KvTransferError(
-                f"engine {req.engine_id!r} is not this one ({self.engine_id}): it restarted"
+                f"engine {req.engine_id!r} is not this one ({self.engine_id}): it restarted",
+                "restarted",
             )
         lease, blobs = await self.engine.call(
             lambda core: core.export_lease(req.transfer_id, req.block_ids, req.first)
@@ -170,18 +205,21 @@ class PdNode:
         if not (p.remote_engine_id and p.remote_request_id and p.remote_host and p.remote_port):
             raise KvTransferError(
                 "kv_transfer_params lack remote_engine_id, remote_request_id, remote_host or "
-                "remote_port"
+                "remote_port",
+                "bad_params",
             )
         if p.remote_num_tokens != len(ids):
             raise KvTransferError(
                 f"the prefill engine prefilled {p.remote_num_tokens} tokens, this prompt has "
-                f"{len(ids)}"
+                f"{len(ids)}",
+                "bad_params",
             )
         k = (len(ids) - 1) // self.block_size
         if len(block_ids) != k:
             raise KvTransferError(
                 f"remote_block_ids names {len(block_ids)} blocks; a prompt of {len(ids)} "
-                f"tokens has {k} full blocks to pull (block size {self.block_size})"
+                f"tokens has {k} full blocks to pull (block size {self.block_size})",
+                "bad_params",
             )
         hashes = hash_chain(self.seed, ids[: k * self.block_size], self.block_size)
         # pull only what this engine lacks (vLLM's decode worker too): its own GPU hit first
@@ -202,11 +240,12 @@ class PdNode:
         if answer.fingerprint != self.fingerprint:
             raise KvTransferError(
                 f"the prefill engine's KV is {answer.fingerprint!r}, this engine's "
-                f"{self.fingerprint!r}: another model or layout"
+                f"{self.fingerprint!r}: another model or layout",
+                "wrong_kv",
             )
         if answer.block_hashes != hashes:
             raise KvTransferError(
-                "the pulled blocks hold the KV of other tokens than this prompt's"
+                "the pulled blocks hold the KV of other tokens than this prompt's", "wrong_kv"
             )
         cached = min(p.remote_prefill_cached_tokens, len(ids))
         return RemoteKV(answer.blocks, first=first, cached_tokens=cached)
@@ -216,11 +255,13 @@ def _block_ids(raw: list[Any] | None) -> list[int]:
     """vLLM sends one list per tensor-parallel rank of the prefill engine (this one has one);
     a flat list is taken too."""
     if raw is None:
-        raise KvTransferError("kv_transfer_params lack remote_block_ids")
+        raise KvTransferError("kv_transfer_params lack remote_block_ids", "bad_params")
     if raw and isinstance(raw[0], list):
         if len(raw) != 1:
-            raise KvTransferError(f"remote_block_ids for {len(raw)} ranks; this engine has one")
+            raise KvTransferError(
+                f"remote_block_ids for {len(raw)} ranks; this engine has one", "bad_params"
+            )
         raw = raw[0]
     if not all(type(b) is int for b in raw):
-        raise KvTransferError("remote_block_ids must be block ids (integers)")
+        raise KvTransferError("remote_block_ids must be block ids (integers)", "bad_params")
     return list(raw)

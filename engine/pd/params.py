@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 __all__ = [
+    "FAILURE_REASONS",
     "LOAD_FAILURE_POLICIES",
     "ROLES",
     "KVTransferParams",
@@ -27,9 +28,28 @@ ROLES = ("prefill", "decode", "both")
 LOAD_FAILURE_POLICIES = ("fail", "recompute")
 
 
+#: why a transfer failed: the ``reason`` label of the engine's PD counters (engine.metrics)
+FAILURE_REASONS = (
+    "bad_params",  # kv_transfer_params that cannot name a transfer for this prompt
+    "unknown_transfer",  # never leased, already pulled, or its lease ended
+    "restarted",  # another epoch of the prefill engine (remote_engine_id)
+    "block_mismatch",  # block ids, counts or sizes other than the lease's or this engine's
+    "wrong_kv",  # another model or layout (fingerprint), or the KV of other tokens
+    "unreachable",  # no connection, or it broke, or a malformed or oversized frame
+    "timeout",
+    "refused",  # the prefill engine answered with an error (its own reason is counted there)
+    "no_staging",  # no free host staging slot to copy the blocks through
+)
+
+
 class KvTransferError(RuntimeError):
     """A transfer that cannot be made: unknown, expired or already pulled transfer id, another
-    engine epoch, blocks that do not fit the prompt, a prefill engine gone mid-pull."""
+    engine epoch, blocks that do not fit the prompt, a prefill engine gone mid-pull. ``reason``
+    is one of :data:`FAILURE_REASONS`."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=False):

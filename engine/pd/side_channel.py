@@ -48,7 +48,8 @@ class BlockEndpoint:
         self._server: asyncio.Server | None = None
         self._slots = asyncio.Semaphore(MAX_CONCURRENT_PULLS)
         self.served = 0
-        self.refused = 0
+        #: pulls answered with an error, by :data:`engine.pd.params.FAILURE_REASONS`
+        self.refused: dict[str, int] = {}
 
     async def start(self) -> BlockEndpoint:
         self._server = await asyncio.start_server(self._handle, self.host, self.port)
@@ -71,11 +72,10 @@ class BlockEndpoint:
                     answer = await self._export(req)
                 except KvTransferError as exc:
                     answer = PullAnswer(error=str(exc))
-                if answer.error is None:
-                    self.served += 1
-                else:
-                    self.refused += 1
+                    self.refused[exc.reason] = self.refused.get(exc.reason, 0) + 1
                     log.warning("KV pull refused: %s", answer.error)
+                else:
+                    self.served += 1
                 await write_frame(writer, answer)
         except asyncio.TimeoutError:
             log.warning("KV pull from %s sent no request", writer.get_extra_info("peername"))
@@ -109,19 +109,26 @@ async def pull(
     try:
         answer = await asyncio.wait_for(exchange(), timeout)
     except asyncio.TimeoutError as exc:
-        raise KvTransferError(f"KV pull from {host}:{port} timed out after {timeout:g} s") from exc
+        raise KvTransferError(
+            f"KV pull from {host}:{port} timed out after {timeout:g} s", "timeout"
+        ) from exc
     except (ConnectionError, OSError) as exc:
-        raise KvTransferError(f"KV pull from {host}:{port} failed: {exc}") from exc
+        raise KvTransferError(f"KV pull from {host}:{port} failed: {exc}", "unreachable") from exc
     if answer.error is not None:
-        raise KvTransferError(f"the prefill engine at {host}:{port} refused: {answer.error}")
+        raise KvTransferError(
+            f"the prefill engine at {host}:{port} refused: {answer.error}", "refused"
+        )
     if len(answer.blocks) != want or len(answer.block_hashes) != len(req.block_ids):
         raise KvTransferError(
             f"asked {want} blocks of {len(req.block_ids)}, got {len(answer.blocks)} "
-            f"(and {len(answer.block_hashes)} hashes)"
+            f"(and {len(answer.block_hashes)} hashes)",
+            "block_mismatch",
         )
     bad = [i for i, b in enumerate(answer.blocks) if len(b) != block_bytes]
     if bad:
         raise KvTransferError(
-            f"block {bad[0]} is {len(answer.blocks[bad[0]])} bytes, this engine's are {block_bytes}"
+            f"block {bad[0]} is {len(answer.blocks[bad[0]])} bytes, this engine's are "
+            f"{block_bytes}",
+            "block_mismatch",
         )
     return answer

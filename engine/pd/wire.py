@@ -68,13 +68,16 @@ async def read_frame(reader: asyncio.StreamReader, kind: type[T], limit: int) ->
     try:
         (size,) = _LEN.unpack(await reader.readexactly(_LEN.size))
         if size > limit:
-            raise KvTransferError(f"a frame of {size} bytes, over the {limit} expected")
+            raise KvTransferError(
+                f"a frame of {size} bytes, over the {limit} expected", "unreachable"
+            )
         body = await reader.readexactly(size)
     except asyncio.IncompleteReadError as exc:
         raise KvTransferError(
-            f"the peer closed the connection mid-frame ({len(exc.partial)} bytes read)"
+            f"the peer closed the connection mid-frame ({len(exc.partial)} bytes read)",
+            "unreachable",
         ) from exc
     try:
         return msgspec.msgpack.decode(body, type=kind)
     except msgspec.DecodeError as exc:
-        raise KvTransferError(f"malformed {kind.__name__}: {exc}") from exc
+        raise KvTransferError(f"malformed {kind.__name__}: {exc}", "unreachable") from exc

@@ -22,6 +22,7 @@ import os
 import re
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -206,8 +207,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.gpu_blocks = args.kv_tokens // args.block_size
         slo = Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
         pd = bool(args.pd or args.pd_sweep)
-        if pd and args.mode != "virtual":
-            raise ValueError("--pd and --pd-sweep run in virtual time only (--mode virtual)")
+        if args.pd_sweep and args.mode != "virtual":
+            raise ValueError("--pd-sweep runs in virtual time only (--mode virtual)")
         if args.pd:
             from kvrouter.replay.pd_sweep import parse_ratio
 
@@ -351,15 +352,29 @@ def _run_live(args: argparse.Namespace, reqs: list[TraceRequest], names: list[st
         gpu_blocks=args.gpu_blocks,
         speedup=args.speedup,
     )
+    runs = [(name, targets) for name in names]
+    if args.pd:  # kvrouter once per --pd-mode (default: the router's own), vllm-router per policy
+        from kvrouter.replay.pd_sweep import pd_modes
+
+        modes = pd_modes(args.pd_mode) if args.pd_mode else [None]
+        vllm = [p for p in args.vllm_router_policy.split(",") if p]
+        runs = []
+        for n in names:
+            if n == "kvrouter":
+                runs += [(n, replace(targets, pd_mode=m)) for m in modes]
+            elif n == "vllm-router":
+                runs += [(n, replace(targets, vllm_router_policy=v)) for v in vllm]
+            else:
+                runs.append((n, targets))
     out = []
     with open(args.children_log or os.devnull, "w") as log:
-        for name in names:
+        for name, where in runs:
             tick = None if args.no_progress else Progress(name, len(reqs))
             out.append(
                 run_policy(
                     name,
                     live,
-                    targets,
+                    where,
                     speedup=args.speedup,
                     seed=args.seed,
                     max_inflight=args.max_inflight,

@@ -22,7 +22,7 @@ import os
 import socket
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -60,6 +60,16 @@ class FleetSpec:
     speedup: float = 1.0
     engine_args: tuple[str, ...] = ()
     ready_timeout: float = 120.0
+    #: a prefill/decode fleet instead of ``workers`` aggregated engines: P ``--role prefill``
+    #: engines (prefill-0...), then D ``--role decode`` (decode-0...), as ``kvrouter up --pd``
+    pd: tuple[int, int] | None = None
+
+    @property
+    def roles(self) -> list[str]:
+        """Each engine's ``--role``, in start order (all ``both`` when not PD)."""
+        if self.pd is None:
+            return ["both"] * self.workers
+        return ["prefill"] * self.pd[0] + ["decode"] * self.pd[1]
 
 
 @dataclass(frozen=True)
@@ -70,6 +80,13 @@ class EngineCounters:
     prompt_tokens: int
     cached_tokens: int
     preemptions: int
+    #: its ``--role`` (prefill, decode, or both)
+    role: str = "both"
+    #: prompt tokens looked up in its prefix cache (a preempted request's recompute looks again)
+    queried_tokens: int = 0
+    #: its ``kvrouter_engine_pd_*`` samples, each summed over its labels (engine.metrics), and
+    #: by reason (``NAME:REASON``, ``NAME:HOW``)
+    pd: dict[str, float] = field(default_factory=dict)
 
 
 def cpu_seconds(pid: int) -> float | None:
@@ -111,6 +128,8 @@ class Fleet:
         self.children: list[Child] = []
         self.engine_urls: list[str] = []
         self.worker_specs: list[str] = []
+        #: each engine's KV event endpoint (vllm-router's ``--pd-kv-events``)
+        self.event_urls: list[str] = []
         self.router_url: str | None = None
         self.router_pid: int | None = None
         #: the router's EPP port (start_kvrouter(epp=True)) and the Envoy in front of it
@@ -143,24 +162,36 @@ class Fleet:
 
     def start_engines(self) -> None:
         s = self.spec
+        roles = s.roles
+        pd = s.pd is not None
+        names = [f"{r}-{roles[:i].count(r)}" if pd else f"engine-{i}" for i, r in enumerate(roles)]
         engines = [
             self._spawn(
-                f"engine-{i}",
+                names[i],
                 engine_argv(
                     i,
                     block_size=s.block_size,
                     gpu_blocks=s.gpu_blocks,
                     cpu_blocks=s.cpu_blocks,
                     speedup=s.speedup,
-                    extra=["--log-level", "warning", *s.engine_args],
+                    extra=[
+                        "--log-level",
+                        "warning",
+                        *(["--role", role] if pd else []),
+                        *s.engine_args,
+                    ],
                 ),
             )
-            for i in range(s.workers)
+            for i, role in enumerate(roles)
         ]
-        for child in engines:  # they start in parallel
+        for child, role in zip(engines, roles):  # they start in parallel
             ready = child.wait_line(ENGINE_READY, s.ready_timeout, self._stop)
             self.engine_urls.append(ready.group(1))
-            self.worker_specs.append(worker_spec(child.name, ready))
+            self.event_urls.append(ready.group(2))
+            self.worker_specs.append(worker_spec(child.name, ready, role=role if pd else None))
+
+    def urls_of(self, role: str) -> list[str]:
+        return [u for u, r in zip(self.engine_urls, self.spec.roles) if r == role]
 
     def start_kvrouter(
         self,
@@ -205,8 +236,13 @@ class Fleet:
         self, name: str, python: str, package: str, extra: Sequence[str]
     ) -> str:
         port, metrics_port = _free_port(), _free_port()
+        workers = ["--worker-urls", *self.engine_urls]
+        if self.spec.pd is not None:  # its PD mode, on vLLM's protocol (smg's --backend vllm)
+            workers = ["--pd-disaggregation", "--backend", "vllm"]
+            workers += [a for u in self.urls_of("prefill") for a in ("--prefill", u)]
+            workers += [a for u in self.urls_of("decode") for a in ("--decode", u)]
         argv = [
-            python, "-m", f"{package}.launch_router", "--worker-urls", *self.engine_urls,
+            python, "-m", f"{package}.launch_router", *workers,
             "--policy", "cache_aware", "--host", "127.0.0.1", "--port", str(port),
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
             "--log-level", "warn", *extra,
@@ -221,6 +257,33 @@ class Fleet:
             return body is not None and body.get("healthy_workers") == len(self.engine_urls)
 
         wait_until(ready, self.spec.ready_timeout, f"{name} to register every engine")
+        self.router_url, self.router_pid = url, child.proc.pid
+        return url
+
+    def start_vllm_router(self, binary: str, policy: str = "kv_aware") -> str:
+        """vllm-router (0.1.17) with ``--vllm-pd-disaggregation`` in front of a PD fleet, every
+        engine with ``--policy policy``; ``kv_aware`` reads the prefill engines' KV events
+        (``--pd-kv-events``), as its docs ask."""
+        if self.spec.pd is None:
+            raise UpError("vllm-router runs here on a prefill/decode fleet (FleetSpec.pd)")
+        port = _free_port()
+        argv = [binary, "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation"]
+        argv += [a for u in self.urls_of("prefill") for a in ("--prefill", u)]
+        argv += [a for u in self.urls_of("decode") for a in ("--decode", u)]
+        argv += ["--policy", policy]
+        if policy == "kv_aware":  # (one flag per prefill engine)
+            argv += ["--kv-event-block-size", str(self.spec.block_size)]
+            for url, events, role in zip(self.engine_urls, self.event_urls, self.spec.roles):
+                argv += ["--pd-kv-events", f"{url}={events}"] if role == "prefill" else []
+        child = self._spawn("vllm-router", argv)
+        url = f"http://127.0.0.1:{port}"
+
+        def ready() -> bool:
+            if child.proc.poll() is not None:
+                raise UpError(f"vllm-router exited with status {child.proc.returncode}")
+            return answers_ok(url + "/health")
+
+        wait_until(ready, self.spec.ready_timeout, "vllm-router /health")
         self.router_url, self.router_pid = url, child.proc.pid
         return url
 
@@ -241,21 +304,27 @@ class Fleet:
         return cpu_seconds(self.gateway.pid) if self.gateway is not None else None
 
     def counters(self) -> list[EngineCounters]:
-        return [engine_counters(u) for u in self.engine_urls]
+        return [engine_counters(u, r) for u, r in zip(self.engine_urls, self.spec.roles)]
 
 
-def engine_counters(url: str) -> EngineCounters:
+def engine_counters(url: str, role: str = "both") -> EngineCounters:
     """A bundled engine's (or vLLM's: same names) request, token and preemption counters."""
     text = httpx.get(url + "/metrics", timeout=10).text
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             values[sample.name] = values.get(sample.name, 0.0) + sample.value
+            why = sample.labels.get("reason") or sample.labels.get("how")
+            if why and sample.name.startswith("kvrouter_engine_pd_"):  # also by its reason
+                values[f"{sample.name}:{why}"] = sample.value
     return EngineCounters(
         requests=int(values.get("vllm:e2e_request_latency_seconds_count", 0)),
         prompt_tokens=int(values.get("vllm:prompt_tokens_total", 0)),
         cached_tokens=int(values.get("vllm:prefix_cache_hits_total", 0)),
         preemptions=int(values.get("vllm:num_preemptions_total", 0)),
+        role=role,
+        queried_tokens=int(values.get("vllm:prefix_cache_queries_total", 0)),
+        pd={k: v for k, v in values.items() if k.startswith("kvrouter_engine_pd_")},
     )
 
 

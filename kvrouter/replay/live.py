@@ -18,8 +18,8 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TextIO
+from dataclasses import dataclass, field, replace
+from typing import Any, TextIO
 
 import httpx
 
@@ -33,6 +33,7 @@ from kvrouter.replay.live_client import (
     drive,
     model_of,
 )
+from kvrouter.replay.live_pd import pd_columns, pd_label
 
 __all__ = [
     "EPP_HEAD_POLICY",
@@ -48,7 +49,10 @@ __all__ = [
 
 # ------------------------------------------------------------------------- one run per policy
 
-PEER_POLICIES = ("kvrouter", "kvrouter-epp", "kvrouter-epp-head", "sglang", "smg")
+PEER_POLICIES = (
+    "kvrouter", "kvrouter-epp", "kvrouter-epp-head", "sglang", "smg", "vllm-router",
+    "kvrouter-aggregated",
+)  # fmt: skip
 #: policy kvrouter through a real Envoy that asks the router's endpoint picker (kvrouter.gateway)
 EPP_POLICY = "kvrouter-epp"
 #: the same, Envoy sending the picker the answer's head and end only (response_body_mode NONE)
@@ -80,6 +84,11 @@ class LiveTargets:
     envoy_bin: str | None = None
     #: the fleet's kvrouter as ``kvrouter serve --processes N``: N synced replicas on one port
     router_processes: int = 1
+    #: a PD fleet (``fleet.pd``): the fleet's kvrouter's ``pd.mode`` (None: its own default);
+    #: vllm-router's binary and ``--policy`` (policy ``vllm-router``)
+    pd_mode: str | None = None
+    vllm_router_bin: str | None = None
+    vllm_router_policy: str = "kv_aware"
 
 
 @dataclass
@@ -93,6 +102,8 @@ class PolicyRun:
     engines: list[EngineCounters] = field(default_factory=list)
     #: CPU seconds the gateway (Envoy, policy kvrouter-epp) used during the run
     gateway_cpu_s: float | None = None
+    #: a PD fleet's own columns (:func:`pd_columns`)
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def run_policy(
@@ -113,16 +124,29 @@ def run_policy(
         )
     if targets.fleet is None:
         return _run_external(policy, requests, targets, speedup, seed, max_inflight, on_done)
-    with Fleet(targets.fleet, log=log) as fleet:
+    spec = targets.fleet
+    if spec.pd is None and policy in ("vllm-router", "kvrouter-aggregated"):
+        raise ValueError(f"policy {policy} runs on a prefill/decode fleet (--pd P:D)")
+    if policy == "kvrouter-aggregated":  # the PD fleet's engine count, all of them aggregated
+        assert spec.pd is not None
+        spec = replace(spec, pd=None, workers=sum(spec.pd))
+    with Fleet(spec, log=log) as fleet:
         router: str | None = None
         client: ClientPolicy | None = None
         n = 1
-        if policy in ("kvrouter", *EPP_POLICIES):
+        if policy == "kvrouter-aggregated":
+            router = fleet.start_kvrouter(targets.router_config, targets.router_env)
+        elif policy == "vllm-router":
+            if not targets.vllm_router_bin:
+                raise ValueError("policy vllm-router needs --vllm-router-bin")
+            router = fleet.start_vllm_router(targets.vllm_router_bin, targets.vllm_router_policy)
+        elif policy in ("kvrouter", *EPP_POLICIES):
             epp = policy in EPP_POLICIES
             n = 1 if epp else targets.router_processes  # (the EPP is process 0's alone)
-            router = fleet.start_kvrouter(
-                targets.router_config, targets.router_env, epp=epp, processes=n
-            )
+            env = dict(targets.router_env)
+            if spec.pd is not None and targets.pd_mode:
+                env.setdefault("KVROUTER_PD__MODE", targets.pd_mode)
+            router = fleet.start_kvrouter(targets.router_config, env, epp=epp, processes=n)
             if epp:  # the client calls Envoy, which asks the router's EPP
                 router = fleet.start_gateway(targets.envoy_bin, head_only=policy == EPP_HEAD_POLICY)
         elif policy == "sglang":
@@ -153,7 +177,11 @@ def run_policy(
         cpu = cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None
         gw = gw1 - gw0 if gw0 is not None and gw1 is not None else None
         label = policy if policy != "kvrouter" or n == 1 else f"kvrouter ({n} processes)"
-        return PolicyRun(label, outcomes, wall, cpu, fleet.counters(), gateway_cpu_s=gw)
+        if targets.fleet.pd is not None:  # named as the virtual sweep names its rows
+            label = pd_label(policy, targets.fleet.pd, spec.workers, targets)
+        counters = fleet.counters()
+        extra = pd_columns(counters) if spec.pd is not None else {}
+        return PolicyRun(label, outcomes, wall, cpu, counters, gateway_cpu_s=gw, extra=extra)
 
 
 def _run_external(
@@ -270,6 +298,17 @@ def add_live_arguments(p: argparse.ArgumentParser) -> None:
         help=f"Envoy for policy {EPP_POLICY} (default: $KVROUTER_ENVOY_BIN, else .venv-envoy's, "
         "which .ci/envoy.sh installs)",
     )
+    a(
+        "--vllm-router-bin",
+        metavar="PATH",
+        help="vllm-router (0.1.17) for policy vllm-router on a --pd fleet",
+    )
+    a(
+        "--vllm-router-policy",
+        default="kv_aware",
+        metavar="POLICIES",
+        help="its --policy, comma-separated: a run each (default kv_aware)",
+    )
     a("--max-inflight", type=int, default=2048, help="streams open at once (default 2048)")
     a("--children-log", help="file for the fleet's output (default: discarded)")
 
@@ -295,8 +334,14 @@ def targets_from_args(
     if args.router_processes > 1 and external:
         raise ValueError("--router-processes starts the fleet's own router: not with --*-url")
     fleet = None
+    pd = getattr(args, "pd", None)
+    if pd and external:
+        raise ValueError("--pd starts a prefill/decode fleet of our own: not with --*-url")
     if not external:
+        from kvrouter.replay.pd_sweep import parse_ratio
+
         fleet = FleetSpec(
+            pd=parse_ratio(pd) if pd else None,
             workers=workers,
             block_size=block_size,
             gpu_blocks=gpu_blocks,
@@ -317,6 +362,8 @@ def targets_from_args(
         router_pid=args.router_pid,
         envoy_bin=envoy_bin,
         router_processes=args.router_processes,
+        vllm_router_bin=args.vllm_router_bin,
+        vllm_router_policy=args.vllm_router_policy,
     )
 
 

@@ -26,12 +26,18 @@ from kvrouter.replay.trace import TraceRequest
 from kvrouter.replay.virtual import VirtualFleet, VirtualRun, run_virtual
 from router.settings import PD_MODES, Settings
 
-__all__ = ["add_pd_arguments", "parse_ratio", "pd_specs", "recommend", "run_pd"]
+__all__ = ["add_pd_arguments", "parse_ratio", "pd_modes", "pd_specs", "recommend", "run_pd"]
 
 
 def add_pd_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("prefill/decode fleets (--mode virtual, policy kvrouter)").add_argument
-    g("--pd", metavar="P:D", help="P prefill and D decode engines (instead of --workers)")
+    g = p.add_argument_group("prefill/decode fleets (policy kvrouter; --pd live too)").add_argument
+    g(
+        "--pd",
+        metavar="P:D",
+        help="P prefill and D decode engines (instead of --workers); live, the peers "
+        "vllm-router and smg drive them in their PD modes, and kvrouter-aggregated is "
+        "kvrouter on P+D aggregated engines",
+    )
     g(
         "--pd-mode",
         metavar="MODES",
@@ -58,7 +64,8 @@ def parse_ratio(text: str) -> tuple[int, int]:
     return ratio
 
 
-def _modes(text: str | None, default: str) -> list[str]:
+def pd_modes(text: str | None, default: str = "threshold") -> list[str]:
+    """``--pd-mode``'s modes, checked."""
     modes = [m for m in (text or default).split(",") if m]
     bad = [m for m in modes if m not in PD_MODES]
     if bad or not modes:
@@ -79,7 +86,7 @@ def pd_specs(
     if args.pd:
         p, d = parse_ratio(args.pd)
         pd_fleet = replace(fleet, workers=p + d, prefill=p)
-        return [(pd_fleet, _with_mode(settings, m)) for m in _modes(args.pd_mode, "threshold")]
+        return [(pd_fleet, _with_mode(settings, m)) for m in pd_modes(args.pd_mode, "threshold")]
     n = fleet.workers
     if n < 2:
         raise ValueError("--pd-sweep needs at least 2 --workers")
@@ -89,7 +96,7 @@ def pd_specs(
     if off:
         raise ValueError(f"--pd-ratios {off[0]} is not {n} engines (--workers)")
     out = [(replace(fleet, prefill=0), settings)]
-    for mode in _modes(args.pd_mode, "always,threshold,cost"):
+    for mode in pd_modes(args.pd_mode, "always,threshold,cost"):
         out += [(replace(fleet, prefill=p), _with_mode(settings, mode)) for p, _ in ratios]
     return out
 

@@ -55,6 +55,26 @@ def test_live_run_on_a_fresh_fleet(policy: str, tmp_path: Path) -> None:
         assert [e.requests for e in run.engines] == [3, 3]
 
 
+def test_live_pd_fleet_pulls_every_prompt_and_reports_its_counters(tmp_path: Path) -> None:
+    """``--pd 1:1 --pd-mode always``: every request's prompt computed on the prefill engine and
+    pulled by the decode engine (the sim checks every pulled block's payload), the second turns
+    finding their first turns' blocks on the prefill engine, the PD columns from its counters."""
+    spec = FleetSpec(block_size=BS, gpu_blocks=1024, speedup=10.0, ready_timeout=90, pd=(1, 1))
+    reqs = _trace()
+    targets = LiveTargets(fleet=spec, pd_mode="always")
+    with open(tmp_path / "children.log", "w") as log:
+        run = run_policy("kvrouter", reqs, targets, speedup=2.0, log=log)
+    for o in run.outcomes:
+        assert o.error is None, (o.error, (tmp_path / "children.log").read_text()[-2000:])
+        assert o.output_tokens == 2 and o.worker == "decode-0"
+    assert run.policy == "kvrouter 1:1 always"
+    assert [(e.role, e.requests) for e in run.engines] == [("prefill", 6), ("decode", 6)]
+    extra = run.extra
+    assert (extra["remote_%"], extra["pulls"], extra["pull_fail"]) == (100.0, 6, "0")
+    assert extra["P_hit_%"] > 20  # the second turns' heads, cached on the prefill engine
+    assert run.engines[1].pd["kvrouter_engine_pd_pulled_bytes_total"] > 0
+
+
 #: not KVROUTER_...: the fleet's router reads those as its own settings
 SMG_PYTHON = os.environ.get("SMG_PYTHON", "")
 
@@ -85,3 +105,24 @@ def test_smg_starts_and_routes_twenty_requests(tmp_path: Path) -> None:
     for a, b in zip(out[:10], out[10:]):
         assert b.worker == a.worker and b.cached_tokens >= a.prompt_tokens // BS * BS > 0
     assert run.router_cpu_s is not None and run.router_cpu_s > 0
+
+
+@pytest.mark.skipif(not SMG_PYTHON, reason="set SMG_PYTHON (see above)")
+def test_smg_pd_mode_sends_each_request_whole_to_both_engines(tmp_path: Path) -> None:
+    """smg 1.13 in its PD mode (``--pd-disaggregation --backend vllm``) in front of a bundled
+    prefill/decode pair: over HTTP it speaks SGLang's bootstrap exchange, not vLLM's NIXL one,
+    so each request goes whole (its own ``max_tokens``, no ``kv_transfer_params``) to a prefill
+    and a decode engine at once: both compute the prompt, no lease is opened, nothing is pulled.
+    (What docs/replay.md's live PD table measures for smg.)"""
+    spec = FleetSpec(block_size=BS, gpu_blocks=1024, speedup=10.0, ready_timeout=90, pd=(1, 1))
+    targets = LiveTargets(fleet=spec, smg_python=SMG_PYTHON)
+    with open(tmp_path / "children.log", "w") as log:
+        run = run_policy("smg", _trace(), targets, speedup=2.0, log=log)
+    for o in run.outcomes:
+        assert o.error is None, (o.error, (tmp_path / "children.log").read_text()[-2000:])
+        assert o.output_tokens == 2
+    assert run.policy == "smg 1:1"
+    pre, dec = run.engines
+    assert (pre.requests, dec.requests) == (6, 6) and pre.prompt_tokens == dec.prompt_tokens
+    assert pre.pd["kvrouter_engine_pd_leases_opened_total"] == 0
+    assert (run.extra["pulls"], run.extra["pull_fail"]) == (0, "0")

@@ -17,6 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvrouter.replay.fleet import FleetSpec
+from kvrouter.replay.live import LiveTargets, run_policy
+from kvrouter.replay.live_client import LiveRequest
 from tests.unit.engine.pd_helpers import engines
 from tests.waiting import poll
 
@@ -79,3 +82,25 @@ def test_vllm_router_drives_the_bundled_pd_pair(tmp_path: Path, policy: str) -> 
         assert side["pulls"] == {"pulled": 3, "failed": 0, "recomputed": 0}
         assert side["loaded_blocks"] > 0
         assert p_side["served"] == 3 and p_side["leases"]["held"] == 0
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "kv_aware"])
+def test_vllm_router_drives_a_live_pd_replay(tmp_path: Path, policy: str) -> None:
+    """``kvrouter replay --mode live --pd 1:2 --policies vllm-router``: its PD mode over a fresh
+    fleet of one prefill and two decode engines; every request pulled, none failed."""
+    first = [f"conversation {c}: " + chr(65 + c) * 300 for c in range(4)]
+    reqs = [LiveRequest(0.05 * c, lambda p=p: p, 2) for c, p in enumerate(first)]
+    reqs += [
+        LiveRequest(3.0 + 0.05 * c, lambda p=p: p + " and?" * 8, 2) for c, p in enumerate(first)
+    ]
+    spec = FleetSpec(block_size=16, gpu_blocks=1024, speedup=10.0, ready_timeout=90, pd=(1, 2))
+    targets = LiveTargets(fleet=spec, vllm_router_bin=_bin(), vllm_router_policy=policy)
+    with open(tmp_path / "children.log", "w") as log:
+        run = run_policy("vllm-router", reqs, targets, speedup=2.0, log=log)
+    for o in run.outcomes:
+        assert o.error is None, (o.error, (tmp_path / "children.log").read_text()[-2000:])
+    assert run.policy == f"vllm-router 1:2 {policy}"
+    assert run.engines[0].requests == 8 and sum(e.requests for e in run.engines) == 16
+    assert (run.extra["remote_%"], run.extra["pulls"], run.extra["pull_fail"]) == (100.0, 8, "0")
+    if policy == "kv_aware":  # the second turns' heads were on the (one) prefill engine
+        assert run.extra["P_hit_%"] > 20

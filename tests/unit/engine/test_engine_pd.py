@@ -13,9 +13,11 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 from engine_helpers import make_engine, run
 from pd_helpers import PREFILL_LEG, Engine, engines, gpu_stores
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine.engine import LLMEngine
 from engine.pd.leases import LeaseTable
@@ -130,6 +132,40 @@ def test_many_pd_requests_at_once_pass_the_payload_checks(fleet) -> None:
 def _refused(d: Engine, ids: list[int], kv: dict[str, Any], why: str) -> None:
     r = _decode(d, ids, kv)
     assert r.status_code == 500 and "KV load failed" in r.text and why in r.text, r.text
+
+
+def _pd_metrics(e: Engine) -> dict[tuple[str, str], float]:
+    """The engine's ``kvrouter_engine_pd_*`` samples: (name, its reason/how label or "")."""
+    text = httpx.get(e.url + "/metrics", timeout=10).text
+    return {
+        (s.name, s.labels.get("reason") or s.labels.get("how") or ""): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name.startswith("kvrouter_engine_pd_")
+    }
+
+
+def test_the_pd_counters_on_metrics(fleet) -> None:
+    p, d = fleet["p"], fleet["d"]
+    p0, d0 = _pd_metrics(p), _pd_metrics(d)
+    ids = _ids(30, 90)  # (90 - 1) // 16 = 5 full blocks, none of them on d yet
+    kv = _prefill(p, ids)
+    assert _decode(d, ids, kv).status_code == 200
+    _refused(d, ids, kv, "already pulled")
+    p1, d1 = _pd_metrics(p), _pd_metrics(d)
+
+    def grew(before: dict, after: dict, name: str, label: str = "") -> float:
+        key = (f"kvrouter_engine_pd_{name}_total", label)
+        return after[key] - before.get(key, 0.0)
+
+    assert grew(p0, p1, "pulls_served") == 1 and grew(p0, p1, "leases_opened") == 1
+    assert grew(p0, p1, "pulls_refused", "unknown_transfer") == 1
+    assert grew(p0, p1, "leases_ended", "pulled") == 1
+    assert p1[("kvrouter_engine_pd_leases_held", "")] == 0
+    assert grew(d0, d1, "pulls_done") == 1 and grew(d0, d1, "pulled_blocks") == 5
+    assert grew(d0, d1, "pulled_bytes") == 5 * d.transfers()["block_bytes"] > 0
+    assert grew(d0, d1, "pulls_failed", "refused") == 1
+    assert grew(d0, d1, "pulls_failed", "timeout") == 0  # every reason is there, zeros too
 
 
 @pytest.mark.parametrize(

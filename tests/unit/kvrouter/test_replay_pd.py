@@ -129,7 +129,10 @@ def test_the_cli_sweeps_ratios_beside_aggregated_and_names_a_row(
     assert [r.get("remote_%") for r in table] == [None, 100.0, 100.0, 0.0, 0.0]
     best = max(table, key=lambda r: (r["goodput_rps"], -r["ttft_p99_ms"]))
     assert f"run: {best['policy']} (goodput" in capsys.readouterr().out
-    # a ratio that is not the fleet's size, a bad mode, live mode: refused before any run
+    # a ratio that is not the fleet's size, a bad mode, a live sweep, a live PD fleet on
+    # servers already running: refused before any run
     assert main([*base, "--pd-ratios", "1:3"]) == 2
     assert main([*base, "--pd-mode", "sometimes"]) == 2
-    assert main(["--mode", "live", "--trace", str(trace), "--pd", "1:2"]) == 2
+    assert main(["--mode", "live", "--trace", str(trace), "--pd-sweep"]) == 2
+    live_pd = ["--mode", "live", "--trace", str(trace), "--pd", "1:2"]
+    assert main([*live_pd, "--worker-url", "http://127.0.0.1:9"]) == 2
