@@ -201,10 +201,10 @@ def watch_loop(placer: Any, log: LoopLog, clock: Any) -> None:
     """Record each switch of ``placer.loop`` (the index's own switch, still the one applied)."""
     loop, switch = placer.loop, placer.loop.switch
 
-    def recorded(key: WorkerKey, on: bool) -> object:
+    def recorded(key: WorkerKey, on: bool, keep: bool) -> object:
         verdict = loop.turned[key[0]][0] if on else loop.estimator.verdict(key[0])
         log.turns.append((key[0], on, log.answers[key[0]], verdict.kind, verdict.likely, clock()))
-        switch(key, on)
+        switch(key, on, keep)
         if not on and log.fresh is not None:
             log.fresh(int(key[0][1:]))  # (the replay's workers are w0, w1, ...)
         return None

@@ -170,9 +170,17 @@ class AgreementEstimator:
     """Per-worker agreement over a window: the last ``window`` informative answers (those with
     anything predicted or reported: a new prefix says nothing), none older than ``window_s``.
     A worker turns disagreeing once at least ``min_requests`` of them are in its window and the
-    disagreeing share reaches ``threshold``; it agrees again once that share falls to
-    ``threshold / 2`` (hysteresis: a worker near the line does not flap). :meth:`observe` answers
-    the new :class:`Verdict` only when the standing changed, so the caller logs each change once.
+    disagreeing share reaches ``threshold``, or its ``worker_ahead`` answers reach
+    ``ahead_threshold`` of a full window; it agrees again once that share falls to half its line
+    (hysteresis: a worker near the line does not flap). :meth:`observe` answers the new
+    :class:`Verdict` only when the standing changed, so the caller logs each change once.
+
+    Why a second, lower line for ``worker_ahead``: lost stores hide most of their own evidence.
+    The router sends a prefix whose store it lost elsewhere (nothing says the worker holds it),
+    so only the requests placed there for other reasons report it; and events that are right
+    give no ``worker_ahead`` at all (the index and its predictions hold every block sent, and
+    the rank's cap is above its capacity), so a few in a window are a fault. Counted against a
+    full window, not the answers seen so far, so one early answer does not turn a worker.
     """
 
     def __init__(
@@ -181,14 +189,19 @@ class AgreementEstimator:
         window: int = 64,
         window_s: float = 600.0,
         threshold: float = 0.5,
+        ahead_threshold: float | None = None,
         min_requests: int = 8,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if window < 1 or min_requests < 1 or not 0.0 < threshold <= 1.0:
-            raise ValueError("window and min_requests must be >= 1, threshold in (0, 1]")
+        ahead = threshold if ahead_threshold is None else ahead_threshold
+        if window < 1 or min_requests < 1 or not (0.0 < threshold <= 1.0 and 0.0 < ahead <= 1.0):
+            raise ValueError(
+                "window and min_requests must be >= 1, threshold and ahead_threshold in (0, 1]"
+            )
         self.window = window
         self.window_s = window_s
         self.threshold = threshold
+        self.ahead_threshold = ahead
         self.min_requests = min(min_requests, window)
         self._clock = clock
         self._seen: dict[str, deque[tuple[float, Comparison]]] = {}
@@ -223,12 +236,16 @@ class AgreementEstimator:
             counts[c.kind] += 1
         n = len(comps)
         bad = counts[INDEX_AHEAD] + counts[WORKER_AHEAD]
-        was = self._disagreeing.get(worker, False)
-        line = self.threshold / 2 if was else self.threshold
-        disagrees = n >= self.min_requests and bad / n >= line and bad > 0
-        if not disagrees:
+        ahead = counts[WORKER_AHEAD]
+        half = 0.5 if self._disagreeing.get(worker, False) else 1.0
+        by_share = bad > 0 and bad / max(n, 1) >= self.threshold * half
+        by_ahead = ahead > 0 and ahead / self.window >= self.ahead_threshold * half
+        if n < self.min_requests or not (by_share or by_ahead):
             return Verdict(worker, True, "", "", n, counts)
-        kind = INDEX_AHEAD if counts[INDEX_AHEAD] >= counts[WORKER_AHEAD] else WORKER_AHEAD
+        if by_share:
+            kind = INDEX_AHEAD if counts[INDEX_AHEAD] >= counts[WORKER_AHEAD] else WORKER_AHEAD
+        else:
+            kind = WORKER_AHEAD
         # the likely cause the most frequent among this kind's comparisons names
         causes: dict[str, int] = {}
         for c in comps:
@@ -241,6 +258,11 @@ class AgreementEstimator:
         """The worker left, or its index was rebuilt: start its estimate afresh."""
         self._seen.pop(worker, None)
         self._disagreeing.pop(worker, None)
+
+    def restart(self, worker: str) -> None:
+        """The worker is scored from another source now: its answers so far judged the old one,
+        so they go, but its standing stays (the new source agrees only below half the line)."""
+        self._seen.pop(worker, None)
 
     def workers(self) -> list[str]:
         return sorted(self._seen)

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from router.placement.agreement import AgreementEstimator, Observation, Verdict
+from router.placement.agreement import WORKER_AHEAD, AgreementEstimator, Observation, Verdict
 from router.placement.ports import NO_METRICS, PlacementMetrics
 from router.settings.agreement import AgreementSettings
 from router.types import WorkerKey
@@ -75,11 +75,14 @@ class AgreementLoop:
             window=settings.window,
             window_s=settings.window_s,
             threshold=settings.threshold,
+            ahead_threshold=settings.ahead_threshold,
             min_requests=settings.min_requests,
             clock=clock,
         )
-        #: turns a worker rank approximate (True) or back to its events (False)
-        self.switch: Callable[[WorkerKey, bool], object] = index.set_approximate
+        #: turns a worker rank approximate (True) or back to its events (False); the third
+        #: argument keeps what its events hold as the seed of its tree (lost stores: they were
+        #: true, only incomplete)
+        self.switch: Callable[[WorkerKey, bool, bool], object] = index.set_approximate
         #: the workers the loop scores from their approximate tree: the verdict that turned
         #: them, and the earliest time they may go back
         self.turned: dict[str, tuple[Verdict, float]] = {}
@@ -103,7 +106,12 @@ class AgreementLoop:
             return
         v = self.estimator.observe(obs)
         if worker in self.turned:
-            if self.clock() >= self.turned[worker][1] and self.estimator.verdict(worker).agrees:
+            now = self.estimator.verdict(worker)
+            if (
+                self.clock() >= self.turned[worker][1]
+                and now.agrees
+                and now.requests >= self.settings.min_requests
+            ):
                 self._back(worker)
         elif v is not None and not v.agrees:
             self._turn(v)
@@ -114,8 +122,10 @@ class AgreementLoop:
         v = self.estimator.verdict(worker)
         turned = self.turned.get(worker)
         shown = turned[0] if turned is not None and v.agrees else v
+        # a turned worker's tree is judged afresh: it agrees once enough answers say so
+        agrees = v.agrees and (turned is None or v.requests >= self.settings.min_requests)
         return {
-            "agrees": v.agrees,
+            "agrees": agrees,
             "kind": shown.kind,
             "likely": shown.likely,
             "requests": v.requests,
@@ -147,8 +157,14 @@ class AgreementLoop:
             v.likely,
         )
         self.metrics.agreement(v.worker, v.kind, True)
+        # the worker reports more than its events say: what they say is true (stores lost),
+        # so its tree starts from it; the index claiming more than the worker reuses is the
+        # opposite, and its entries go (they are what is wrong)
+        keep = v.kind == WORKER_AHEAD
+        # the tree is judged afresh: the answers so far judged its events
+        self.estimator.restart(v.worker)
         for key in self._keys(v.worker):
-            self.switch(key, True)
+            self.switch(key, True, keep)
 
     def _back(self, worker: str) -> None:
         v, _ = self.turned.pop(worker)
@@ -157,4 +173,4 @@ class AgreementLoop:
         # the events are judged afresh: the approximate tree's answers say nothing of them
         self.estimator.forget(worker)
         for key in self._keys(worker):
-            self.switch(key, False)
+            self.switch(key, False, False)

@@ -2,8 +2,9 @@
 report ``cached_tokens``; one of them goes wrong without a sequence gap — it reuses nothing its
 events claim (prefix caching off, a different hash seed), or its stores never reach the stream
 (silent loss). The router names that worker and the likely cause within 50 of its requests
-(``GET /workers``, ``/metrics``), scores it from what it sent it, leaves the others on their
-events, and takes it back to its events, from a fresh replay, once its reports agree again."""
+(``GET /workers``, ``/metrics``), scores it from what it sent it (and, for lost stores, from
+what its events held, which was true), leaves the others on their events, and takes it back to
+its events, from a fresh replay, once its reports agree again."""
 
 from __future__ import annotations
 
@@ -96,8 +97,12 @@ async def test_a_worker_whose_stores_are_silently_lost_is_named_and_scored_from_
     workers, router, http
 ) -> None:
     a, b = await workers("a"), await workers("b")
-    a.silent_events = True  # what it stores never reaches the stream, and no seq is skipped
     r = await router([a, b], agreement=LOOP)
+    # what its events did say before the loss was true: it stays through the turn
+    before = text("Q", 5) + "|before"
+    a.store(list(before.encode()))
+    await wait_for(lambda: r.matched(list(before.encode()), "a") == 5, 5, "a's events")
+    a.silent_events = True  # what it stores never reaches the stream, and no seq is skipped
     for i in range(50):
         prompt = text(chr(ord("A") + i % 26), 6) + f"|{i}"
         a.store(list(prompt.encode()))  # it holds the prefix (another router sent it, say)
@@ -109,7 +114,9 @@ async def test_a_worker_whose_stores_are_silently_lost_is_named_and_scored_from_
     assert (ag["scoring"], ag["kind"]) == ("approximate", "worker_ahead")
     assert "never matched" in ag["likely"]
     assert ws["b"]["source"] == "events" and ws["b"]["agreement"]["scoring"] == "events"
-    # scored from what the router sent it: a prompt sent there is matched there now
+    # scored from what the router sent it and what its events held when it turned (a worker
+    # ahead of its events lost stores: what they say is true), both matched there now
     prompt = text("z", 4) + "|sent"
     await complete(http, r, prompt, "a")
     await wait_for(lambda: r.matched(list(prompt.encode()), "a") == 4, 5, "a's approximate tree")
+    assert r.matched(list(before.encode()), "a") == 5

@@ -146,10 +146,13 @@ def test_a_hold_keeps_a_worker_approximate_and_doubles_each_time() -> None:
     for p in prompts[8:40]:  # the tree agrees, but the hold is not over
         lost_stores(placer, clock, p)
     assert placer.index.approximate(("a", 0)) and loop.estimator.verdict("a").agrees
-    clock.t += 1000
-    answer(placer, prompts[40], 0, "a")
-    assert not placer.index.approximate(("a", 0)) and turns.calls[-1][2] is False
-    for p in prompts[41:49]:  # still lost: turned again, held twice as long
+    clock.t += 1000  # the hold is over, and the answers that judged the tree too old to count
+    k = 40
+    while placer.index.approximate(("a", 0)):  # back once enough recent answers agree
+        lost_stores(placer, clock, prompts[k])
+        k += 1
+    assert k == 48 and turns.calls[-1][2] is False
+    for p in prompts[k : k + 8]:  # still lost: turned again, held twice as long
         lost_stores(placer, clock, p)
     assert turns.calls[-1] == ("a", WORKER_AHEAD, True) and loop.trips["a"] == 2
     assert loop.turned["a"][1] - clock.t > 1000  # (it turned less than 1000 s ago)
@@ -168,3 +171,18 @@ def test_the_loop_off_judges_nothing() -> None:
     for k in range(1, 20):
         answer(placer, list(range(1000 * k, 1000 * k + 6 * BS)), 5 * BS, "a")
     assert turns.calls == [] and placer.loop.estimator.workers() == []
+
+
+def test_lost_stores_keep_what_the_events_held_as_the_trees_seed() -> None:
+    # worker_ahead: the events were true, only incomplete; an empty tree would forget them
+    placer, clock, turns = build(hold_s=1000.0)
+    held = list(range(500, 500 + 6 * BS))
+    store(placer, "a", held)
+    hashes = placer.index.request_hashes(held)
+    for k in range(1, 9):
+        lost_stores(placer, clock, list(range(1000 * k, 1000 * k + 6 * BS)))
+    assert turns.calls == [("a", WORKER_AHEAD, True)]
+    assert placer.index.approximate(("a", 0))
+    assert placer.index.match(hashes).workers[("a", 0)].matched_blocks == 6
+    view = placer.loop.verdict("a")
+    assert (view["scoring"], view["agrees"], view["requests"]) == ("approximate", False, 0)
