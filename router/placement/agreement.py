@@ -17,7 +17,11 @@ The shape of a disagreement tells the likely cause (:data:`CAUSES`):
   restarted silently (its cache is empty, the index still full), or its tokenizer, block size or
   hash seed differ from the router's (the router's own predictions then never come true);
 - ``worker_ahead``: the worker reports hits the index never predicted: stores lost, or a
-  different tokenizer or hash seed (its events store blocks the router never matches).
+  different tokenizer or hash seed (its events store blocks the router never matches). Also an
+  answer that agrees but whose prompt's first block the worker's events never showed by its end
+  (``Observation.stored``): the worker computed the prompt, so it holds it, and a router that
+  sends it only new prefixes (its events never match, so nothing is predicted there) would
+  otherwise see nothing but ``no_signal``.
 
 A caller that wants the events' word alone (``kvrouter check``: the router's own prediction from
 a first probe is no evidence) passes ``predicted_blocks=0``.
@@ -70,6 +74,10 @@ _NEVER_CONFIRMED = (
     "tokenizer, block size or hash seed, or prefix caching off"
 )
 _NOTHING_REUSED = "it reuses nothing: a silent restart, or prefix caching off"
+_NEVER_STORED = (
+    "its events never showed the blocks it was sent: a different tokenizer, block size or "
+    "hash seed, lost stores, or prefix caching off"
+)
 
 
 def reusable_tokens(blocks: int, prompt_tokens: int, block_size: int) -> int:
@@ -86,7 +94,8 @@ class Observation:
     that the router only predicted there (the placement's overlay); ``prompt_tokens``: the
     prompt's length in the router's tokens; ``block_size``: the router's; ``reported_tokens``: the
     worker's ``cached_tokens``; ``engine_block_size``: the worker's page size when known (its
-    reports are rounded to it), 0 otherwise."""
+    reports are rounded to it), 0 otherwise; ``stored``: whether the worker's events showed the
+    prompt's first block by the answer's end (None: not asked, as for an approximate rank)."""
 
     worker: str
     prompt_tokens: int
@@ -95,6 +104,7 @@ class Observation:
     predicted_blocks: int
     reported_tokens: int
     engine_block_size: int = 0
+    stored: bool | None = None
 
     @property
     def confirmed_blocks(self) -> int:
@@ -144,6 +154,8 @@ def compare(obs: Observation) -> Comparison:
     else:
         kind = WORKER_AHEAD
         likely = _NEVER_MATCHED if confirmed == 0 else CAUSES[WORKER_AHEAD]
+    if obs.stored is False and kind in (AGREE, NO_SIGNAL):
+        kind, likely = WORKER_AHEAD, _NEVER_STORED
     return Comparison(obs.worker, kind, expected, confirmed, reported, likely)
 
 

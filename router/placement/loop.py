@@ -31,6 +31,7 @@ from router.types import WorkerKey
 
 if TYPE_CHECKING:
     from indexer.index import PrefixIndex
+    from indexer.index.types import RankRecord
     from router.placement.flight import Flight
 
 __all__ = ["AgreementLoop", "observation"]
@@ -38,8 +39,11 @@ __all__ = ["AgreementLoop", "observation"]
 log = logging.getLogger("kvrouter.agreement")
 
 
-def observation(f: Flight, engine_block_size: int = 0) -> Observation | None:
-    """What flight ``f`` predicted when it was placed against what its answer reported; None when
+def observation(
+    f: Flight, engine_block_size: int = 0, stored: bool | None = None
+) -> Observation | None:
+    """What flight ``f`` predicted when it was placed against what its answer reported (and
+    ``stored``: whether its worker's events showed the prompt's first block by then); None when
     the answer reported no cached tokens, or for the decode leg of a remote pick (its prompt's KV
     was transferred, not matched: its report says nothing of its own cache)."""
     if f.cached is None or f.leg == "decode" or f.block_size <= 0:
@@ -52,6 +56,7 @@ def observation(f: Flight, engine_block_size: int = 0) -> Observation | None:
         f.predicted_blocks,
         f.cached,
         engine_block_size,
+        stored,
     )
 
 
@@ -101,7 +106,7 @@ class AgreementLoop:
         # a worker configured without events has nothing to go back to: nothing to switch
         if rec.approximate and worker not in self.turned:
             return
-        obs = observation(f, rec.page)
+        obs = observation(f, rec.page, self._stored(f, rec))
         if obs is None:
             return
         v = self.estimator.observe(obs)
@@ -115,6 +120,27 @@ class AgreementLoop:
                 self._back(worker)
         elif v is not None and not v.agrees:
             self._turn(v)
+
+    def stores(self, key: WorkerKey) -> int:
+        """The stores rank ``key``'s events have made so far (-1: unknown, or approximate), for
+        a flight placed there now (``Flight.stores``)."""
+        try:
+            rec = self.index.worker(key)
+        except KeyError:
+            return -1
+        return -1 if rec.approximate else rec.stats.stored_events
+
+    def _stored(self, f: Flight, rec: RankRecord) -> bool | None:
+        """Whether the worker's events showed ``f``'s first block by its answer's end; None where
+        they said nothing since it was placed (late, or a worker that stores nothing: no
+        evidence either way). By then the worker computed the prompt and announced it: silence
+        while it announces other stores is the one sign of a worker the router sends only new
+        prefixes (a hash seed of its own: its events never match, nothing is predicted there).
+        The first block: a page larger than a router block may leave the last partly stored."""
+        hashes = f.ticket.hashes
+        if not hashes or f.stores < 0 or rec.approximate or rec.stats.stored_events <= f.stores:
+            return None
+        return self.index.holds(f.ticket.key, hashes[0])
 
     def verdict(self, worker: str) -> dict[str, object]:
         """The worker's standing for ``GET /workers``: its estimate now, and whether the loop

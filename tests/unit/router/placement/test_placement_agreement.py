@@ -245,3 +245,16 @@ def test_bad_settings_are_refused() -> None:
     ):
         with pytest.raises(ValueError):
             AgreementEstimator(**kw)  # type: ignore[arg-type]
+
+
+def test_an_answer_whose_prompt_its_events_never_showed_is_worker_ahead() -> None:
+    # a worker the router sends only new prefixes: nothing predicted, nothing reported, yet
+    # its events (which announce other stores) never showed the prompt it just computed
+    silent = Observation("w", 10 * BS + 5, BS, {}, 0, 0, 0, False)
+    c = compare(silent)
+    assert c.kind == WORKER_AHEAD and "never showed" in c.likely and "hash seed" in c.likely
+    assert compare(Observation("w", 10 * BS + 5, BS, {}, 0, 0, 0, True)).kind == NO_SIGNAL
+    assert compare(Observation("w", 10 * BS + 5, BS, {}, 0, 0, 0, None)).kind == NO_SIGNAL
+    # a disagreement of its own keeps its shape and cause
+    lost = compare(Observation("w", 10 * BS + 5, BS, {"GPU": 10}, 0, 0, 0, False))
+    assert lost.kind == INDEX_AHEAD

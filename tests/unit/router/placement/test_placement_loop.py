@@ -186,3 +186,28 @@ def test_lost_stores_keep_what_the_events_held_as_the_trees_seed() -> None:
     assert placer.index.match(hashes).workers[("a", 0)].matched_blocks == 6
     view = placer.loop.verdict("a")
     assert (view["scoring"], view["agrees"], view["requests"]) == ("approximate", False, 0)
+
+
+def test_a_worker_whose_events_never_show_what_it_was_sent_is_named() -> None:
+    # another hash seed: its events store every prompt, under keys the router never computes,
+    # so nothing is ever predicted or matched there and every answer alone says nothing
+    placer, _, turns = build()
+    for k in range(1, 20):
+        p = list(range(1000 * k, 1000 * k + 6 * BS))
+        d = placer.place(p)
+        f = placer.fly(d, next(j for j, c in enumerate(d.candidates) if c.key == ("a", 0)), "x")
+        store(placer, "a", [t + 1_000_000 for t in p])  # (its own seed: other keys)
+        f.cached = 0
+        f.done("200")
+        if turns.calls:
+            break
+    assert turns.calls == [("a", WORKER_AHEAD, True)] and k == 8
+    assert "never showed" in str(placer.loop.verdict("a")["likely"])
+
+
+def test_a_worker_whose_events_said_nothing_since_is_not_judged_by_them() -> None:
+    # late events, or a worker that stores nothing: no evidence either way
+    placer, _, turns = build()
+    for k in range(1, 20):
+        answer(placer, list(range(1000 * k, 1000 * k + 6 * BS)), 0, "a")
+    assert turns.calls == [] and placer.loop.estimator.verdict("a").requests == 0
