@@ -1,7 +1,8 @@
 """The closed loop over real sockets (issue 36): real fake workers publish real KV events and
 report ``cached_tokens``; one of them goes wrong without a sequence gap — it reuses nothing its
-events claim (prefix caching off, a different hash seed), or its stores never reach the stream
-(silent loss). The router names that worker and the likely cause within 50 of its requests
+events claim (prefix caching off, a different hash seed), its stores never reach the stream
+(silent loss), or its events store under keys the router never computes (another hash seed),
+so that the router sends it only new prefixes and its answers alone say nothing. The router names that worker and the likely cause within 50 of its requests
 (``GET /workers``, ``/metrics``), scores it from what it sent it (and, for lost stores, from
 what its events held, which was true), leaves the others on their events, and takes it back to
 its events, from a fresh replay, once its reports agree again."""
@@ -120,3 +121,26 @@ async def test_a_worker_whose_stores_are_silently_lost_is_named_and_scored_from_
     await complete(http, r, prompt, "a")
     await wait_for(lambda: r.matched(list(prompt.encode()), "a") == 4, 5, "a's approximate tree")
     assert r.matched(list(before.encode()), "a") == 5
+
+
+async def test_a_worker_whose_events_never_match_is_named_though_it_only_gets_new_prefixes(
+    workers, router, http
+) -> None:
+    a, b = await workers("a"), await workers("b")
+    a.events_salt = 1 << 20  # another hash seed: it announces every store, under other keys
+    r = await router([a, b], agreement=LOOP)
+    named = 0
+    for i in range(50):  # every prompt new: nothing predicted, nothing reused, on either
+        prompt = text(chr(ord("A") + i % 26), 4) + f"|new {i}"
+        assert await complete(http, r, prompt, "a") == 0
+        assert await complete(http, r, prompt + "|b", "b") == 0
+        if (await listed(http, r))["a"]["source"] == "approximate":
+            named = i + 1
+            break
+    assert 0 < named <= 50, "a was not named within 50 of its requests"
+    ws = await listed(http, r)
+    ag = ws["a"]["agreement"]
+    assert (ag["scoring"], ag["kind"]) == ("approximate", "worker_ahead")
+    assert "never showed" in ag["likely"] and "hash seed" in ag["likely"]
+    # b's events show every prompt it was sent: it agrees, on its events
+    assert ws["b"]["source"] == "events" and ws["b"]["agreement"]["agrees"]
