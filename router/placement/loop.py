@@ -3,8 +3,9 @@ judged against what the index predicted for its worker when the request was plac
 (:mod:`router.placement.agreement`, the one judge ``kvrouter check`` uses too), one estimate per
 worker. When a worker's reports turn disagreeing, the loop counts it, logs it once with the likely
 cause, and scores that worker from its approximate tree alone (what the router sent it, which no
-wrong event can spoil); once its reports agree again, and not before its hold is over, it goes
-back to its events from a fresh stream. Other workers are untouched.
+wrong event can spoil; for lost stores, ``worker_ahead``, seeded with what its events held, which
+was true); once its tree's answers agree, and not before its hold is over, it goes back to its
+events from a fresh stream. Other workers are untouched.
 
 Pure like the rest of the core: the clock is injected, and the one write it makes — turning a
 worker's ranks approximate or back — goes through :attr:`AgreementLoop.switch`, which the runtime
