@@ -271,10 +271,5 @@ class AgreementEstimator:
         self._seen.pop(worker, None)
         self._disagreeing.pop(worker, None)
 
-    def restart(self, worker: str) -> None:
-        """The worker is scored from another source now: its answers so far judged the old one,
-        so they go, but its standing stays (the new source agrees only below half the line)."""
-        self._seen.pop(worker, None)
-
     def workers(self) -> list[str]:
         return sorted(self._seen)

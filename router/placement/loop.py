@@ -4,8 +4,10 @@ judged against what the index predicted for its worker when the request was plac
 worker. When a worker's reports turn disagreeing, the loop counts it, logs it once with the likely
 cause, and scores that worker from its approximate tree alone (what the router sent it, which no
 wrong event can spoil; for lost stores, ``worker_ahead``, seeded with what its events held, which
-was true); once its tree's answers agree, and not before its hold is over, it goes back to its
-events from a fresh stream. Other workers are untouched.
+was true); once its recent answers agree again, those that turned it included (a return is a
+fresh stream and, where the fault persists, another turn: measured on the replay, judging the
+tree afresh sent a lossy worker back sooner and cost half a point of hit rate), and not before
+its hold is over, it goes back to its events from a fresh stream. Other workers are untouched.
 
 Pure like the rest of the core: the clock is injected, and the one write it makes — turning a
 worker's ranks approximate or back — goes through :attr:`AgreementLoop.switch`, which the runtime
@@ -149,7 +151,7 @@ class AgreementLoop:
         v = self.estimator.verdict(worker)
         turned = self.turned.get(worker)
         shown = turned[0] if turned is not None and v.agrees else v
-        # a turned worker's tree is judged afresh: it agrees once enough answers say so
+        # a turned worker agrees once enough answers say so (not for want of any in its window)
         agrees = v.agrees and (turned is None or v.requests >= self.settings.min_requests)
         return {
             "agrees": agrees,
@@ -188,8 +190,6 @@ class AgreementLoop:
         # so its tree starts from it; the index claiming more than the worker reuses is the
         # opposite, and its entries go (they are what is wrong)
         keep = v.kind == WORKER_AHEAD
-        # the tree is judged afresh: the answers so far judged its events
-        self.estimator.restart(v.worker)
         for key in self._keys(v.worker):
             self.switch(key, True, keep)
 

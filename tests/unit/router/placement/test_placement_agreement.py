@@ -223,18 +223,6 @@ def test_a_few_worker_ahead_answers_in_a_full_window_turn_a_worker() -> None:
     assert back == [18] and est.verdict("w0").agrees
 
 
-def test_restart_judges_afresh_but_keeps_the_standing() -> None:
-    est = AgreementEstimator(window=10, threshold=0.5, min_requests=2, clock=Clock())
-    for _ in range(4):
-        est.observe(obs(0, gpu=10))
-    est.restart("w0")
-    assert est.verdict("w0").requests == 0
-    # 2 of 6 bad is under the line but not under half of it: the standing stays disagreeing
-    for r in (0, 10 * BS, 10 * BS, 0, 10 * BS, 10 * BS):
-        est.observe(obs(r, gpu=10))
-    assert not est.verdict("w0").agrees
-
-
 def test_bad_settings_are_refused() -> None:
     for kw in (
         {"window": 0},
