@@ -118,13 +118,18 @@ class PrefixIndex:
     def clear_worker(self, worker_id: str, dp_rank: int) -> None:
         self._state.clear_worker(worker_id, dp_rank)
 
-    def set_approximate(self, key: WorkerKey, on: bool = True) -> None:
+    def set_approximate(self, key: WorkerKey, on: bool = True, keep: bool = False) -> None:
         """Rank ``key`` is fed by what the router sends it (``on``) or by its events: a change
-        of kind drops its entries (the other kind's are not this one's) and its cap follows."""
+        of kind drops its entries (the other kind's are not this one's) and its cap follows.
+        ``keep`` (turning approximate only): the blocks its events hold seed its tree instead,
+        for a rank whose events were true but incomplete (``approx.held``)."""
         w = self._state.by_key[key]
         if w.approximate != on:
+            kept = approx.held(self._state, w) if on and keep else []
             self._state.drop_entries(w)
             w.approximate = on
+            if kept:
+                approx.record(self._state, w, kept)
             self._evictor.refresh(w)
 
     def approximate(self, key: WorkerKey) -> bool:

@@ -26,7 +26,21 @@ from indexer.index.native import remove_gpu
 from indexer.index.state import IndexState
 from indexer.index.types import GPU, RankRecord
 
-__all__ = ["record", "trim"]
+__all__ = ["held", "record", "trim"]
+
+
+def held(state: IndexState, w: RankRecord) -> list[int]:
+    """The router blocks event-fed rank ``w`` holds (any tier, re-chunked pages included), the
+    most recently stored first: the seed of its tree when the closed loop turns it approximate
+    for stores it lost (``PrefixIndex.set_approximate(keep=True)``). What its events did say was
+    true, and an empty tree would forget it; a store order is the best recency the index knows
+    (a table keeps insertion order), and past the cap the oldest go first."""
+    present, bit = state.present, w.bit
+    hashes = list(w.table.values())
+    if w.rechunk is not None:
+        hashes.extend(w.rechunk.cover)
+    # (a router block several engine blocks map to comes once; one the rank lost is not held)
+    return [h for h in dict.fromkeys(reversed(hashes)) if present.get(h, 0) & bit]
 
 
 def record(state: IndexState, w: RankRecord, hashes: Sequence[int]) -> int:

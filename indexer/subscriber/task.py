@@ -150,14 +150,15 @@ class Subscriber:
         task, the index's only writer (a rank fed by events ignores it)."""
         self._post("sent", (key, hashes))
 
-    def set_source(self, key: WorkerKey, approximate: bool) -> None:
+    def set_source(self, key: WorkerKey, approximate: bool, keep: bool = False) -> None:
         """The closed loop's switch (``router.placement.loop``), a command to the task: score rank
         ``key`` from its approximate tree alone (``approximate``: its events disagree with what
         the worker reports, and are not applied meanwhile), or go back to its events from a
         fresh stream: a replay of all its publisher still holds, else its entries rebuilt from
         the live events on. Either way the other kind's entries are dropped
-        (``PrefixIndex.set_approximate``); a worker without events stays approximate."""
-        self._post("source", (key, approximate))
+        (``PrefixIndex.set_approximate``), except with ``keep``: the blocks its events hold seed
+        its tree (they were true, only incomplete); a worker without events stays approximate."""
+        self._post("source", (key, approximate, keep))
 
     def stats(self) -> dict[WorkerKey, WorkerStats]:
         """Per (worker_id, dp_rank) stats, refreshed from the index (the objects are live)."""
@@ -297,12 +298,12 @@ class Subscriber:
             raise
         self._workers[ep.id] = (ep, ranks)
 
-    def _do_source(self, key: WorkerKey, approximate: bool) -> None:
+    def _do_source(self, key: WorkerKey, approximate: bool, keep: bool) -> None:
         entry = self._workers.get(key[0])
         r = next((x for x in entry[1] if x.key == key), None) if entry is not None else None
         if r is None:  # gone, or without events (no ranks here): nothing to switch
             return
-        self._index.set_approximate(key, approximate)
+        self._index.set_approximate(key, approximate, keep)
         if approximate or r.replay_ep is None:
             return  # (without a replay endpoint the live events rebuild it from now on)
         if r.replay is not None:

@@ -13,7 +13,8 @@ The faulty path is between the engine and the router: the engines themselves run
 report their real prefix-cache hit with every answer (``o.num_cached_tokens``, whole blocks, as
 vLLM's ``cached_tokens``), which the closed loop (:mod:`router.placement.loop`, ``--loop``)
 judges. Its switch is the index's own (``PrefixIndex.set_approximate``: the replay applies
-events to the index itself, so it is the index's one writer); back on events, the rank takes a
+events to the index itself, so it is the index's one writer; a worker turned for lost stores
+keeps what its events held as its tree's seed, as in the router); back on events, the rank takes a
 fresh stream as the subscriber asks the worker's replay endpoint for one: every batch the worker
 published that has reached the router by then (the replay socket is not the faulty path, but a
 worker's seed is its own; a silently restarted publisher holds only what it published since),
@@ -201,10 +202,10 @@ def watch_loop(placer: Any, log: LoopLog, clock: Any) -> None:
     """Record each switch of ``placer.loop`` (the index's own switch, still the one applied)."""
     loop, switch = placer.loop, placer.loop.switch
 
-    def recorded(key: WorkerKey, on: bool) -> object:
+    def recorded(key: WorkerKey, on: bool, keep: bool) -> object:
         verdict = loop.turned[key[0]][0] if on else loop.estimator.verdict(key[0])
         log.turns.append((key[0], on, log.answers[key[0]], verdict.kind, verdict.likely, clock()))
-        switch(key, on)
+        switch(key, on, keep)
         if not on and log.fresh is not None:
             log.fresh(int(key[0][1:]))  # (the replay's workers are w0, w1, ...)
         return None

@@ -17,7 +17,11 @@ The shape of a disagreement tells the likely cause (:data:`CAUSES`):
   restarted silently (its cache is empty, the index still full), or its tokenizer, block size or
   hash seed differ from the router's (the router's own predictions then never come true);
 - ``worker_ahead``: the worker reports hits the index never predicted: stores lost, or a
-  different tokenizer or hash seed (its events store blocks the router never matches).
+  different tokenizer or hash seed (its events store blocks the router never matches). Also an
+  answer that agrees but whose prompt's first block the worker's events never showed by its end
+  (``Observation.stored``): the worker computed the prompt, so it holds it, and a router that
+  sends it only new prefixes (its events never match, so nothing is predicted there) would
+  otherwise see nothing but ``no_signal``.
 
 A caller that wants the events' word alone (``kvrouter check``: the router's own prediction from
 a first probe is no evidence) passes ``predicted_blocks=0``.
@@ -70,6 +74,10 @@ _NEVER_CONFIRMED = (
     "tokenizer, block size or hash seed, or prefix caching off"
 )
 _NOTHING_REUSED = "it reuses nothing: a silent restart, or prefix caching off"
+_NEVER_STORED = (
+    "its events never showed the blocks it was sent: a different tokenizer, block size or "
+    "hash seed, lost stores, or prefix caching off"
+)
 
 
 def reusable_tokens(blocks: int, prompt_tokens: int, block_size: int) -> int:
@@ -86,7 +94,8 @@ class Observation:
     that the router only predicted there (the placement's overlay); ``prompt_tokens``: the
     prompt's length in the router's tokens; ``block_size``: the router's; ``reported_tokens``: the
     worker's ``cached_tokens``; ``engine_block_size``: the worker's page size when known (its
-    reports are rounded to it), 0 otherwise."""
+    reports are rounded to it), 0 otherwise; ``stored``: whether the worker's events showed the
+    prompt's first block by the answer's end (None: not asked, as for an approximate rank)."""
 
     worker: str
     prompt_tokens: int
@@ -95,6 +104,7 @@ class Observation:
     predicted_blocks: int
     reported_tokens: int
     engine_block_size: int = 0
+    stored: bool | None = None
 
     @property
     def confirmed_blocks(self) -> int:
@@ -144,6 +154,8 @@ def compare(obs: Observation) -> Comparison:
     else:
         kind = WORKER_AHEAD
         likely = _NEVER_MATCHED if confirmed == 0 else CAUSES[WORKER_AHEAD]
+    if obs.stored is False and kind in (AGREE, NO_SIGNAL):
+        kind, likely = WORKER_AHEAD, _NEVER_STORED
     return Comparison(obs.worker, kind, expected, confirmed, reported, likely)
 
 
@@ -170,9 +182,17 @@ class AgreementEstimator:
     """Per-worker agreement over a window: the last ``window`` informative answers (those with
     anything predicted or reported: a new prefix says nothing), none older than ``window_s``.
     A worker turns disagreeing once at least ``min_requests`` of them are in its window and the
-    disagreeing share reaches ``threshold``; it agrees again once that share falls to
-    ``threshold / 2`` (hysteresis: a worker near the line does not flap). :meth:`observe` answers
-    the new :class:`Verdict` only when the standing changed, so the caller logs each change once.
+    disagreeing share reaches ``threshold``, or its ``worker_ahead`` answers reach
+    ``ahead_threshold`` of a full window; it agrees again once that share falls to half its line
+    (hysteresis: a worker near the line does not flap). :meth:`observe` answers the new
+    :class:`Verdict` only when the standing changed, so the caller logs each change once.
+
+    Why a second, lower line for ``worker_ahead``: lost stores hide most of their own evidence.
+    The router sends a prefix whose store it lost elsewhere (nothing says the worker holds it),
+    so only the requests placed there for other reasons report it; and events that are right
+    give no ``worker_ahead`` at all (the index and its predictions hold every block sent, and
+    the rank's cap is above its capacity), so a few in a window are a fault. Counted against a
+    full window, not the answers seen so far, so one early answer does not turn a worker.
     """
 
     def __init__(
@@ -181,14 +201,19 @@ class AgreementEstimator:
         window: int = 64,
         window_s: float = 600.0,
         threshold: float = 0.5,
+        ahead_threshold: float | None = None,
         min_requests: int = 8,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if window < 1 or min_requests < 1 or not 0.0 < threshold <= 1.0:
-            raise ValueError("window and min_requests must be >= 1, threshold in (0, 1]")
+        ahead = threshold if ahead_threshold is None else ahead_threshold
+        if window < 1 or min_requests < 1 or not (0.0 < threshold <= 1.0 and 0.0 < ahead <= 1.0):
+            raise ValueError(
+                "window and min_requests must be >= 1, threshold and ahead_threshold in (0, 1]"
+            )
         self.window = window
         self.window_s = window_s
         self.threshold = threshold
+        self.ahead_threshold = ahead
         self.min_requests = min(min_requests, window)
         self._clock = clock
         self._seen: dict[str, deque[tuple[float, Comparison]]] = {}
@@ -223,12 +248,16 @@ class AgreementEstimator:
             counts[c.kind] += 1
         n = len(comps)
         bad = counts[INDEX_AHEAD] + counts[WORKER_AHEAD]
-        was = self._disagreeing.get(worker, False)
-        line = self.threshold / 2 if was else self.threshold
-        disagrees = n >= self.min_requests and bad / n >= line and bad > 0
-        if not disagrees:
+        ahead = counts[WORKER_AHEAD]
+        half = 0.5 if self._disagreeing.get(worker, False) else 1.0
+        by_share = bad > 0 and bad / max(n, 1) >= self.threshold * half
+        by_ahead = ahead > 0 and ahead / self.window >= self.ahead_threshold * half
+        if n < self.min_requests or not (by_share or by_ahead):
             return Verdict(worker, True, "", "", n, counts)
-        kind = INDEX_AHEAD if counts[INDEX_AHEAD] >= counts[WORKER_AHEAD] else WORKER_AHEAD
+        if by_share:
+            kind = INDEX_AHEAD if counts[INDEX_AHEAD] >= counts[WORKER_AHEAD] else WORKER_AHEAD
+        else:
+            kind = WORKER_AHEAD
         # the likely cause the most frequent among this kind's comparisons names
         causes: dict[str, int] = {}
         for c in comps:

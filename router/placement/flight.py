@@ -60,6 +60,7 @@ class Flight:
         "predicted_blocks",
         "predicted_tokens",
         "prompt_tokens",
+        "stores",
         "t0",
         "ticket",
         "timer",
@@ -86,6 +87,7 @@ class Flight:
         prompt_tokens: int = 0,
         block_size: int = 0,
         judge: Callable[[Flight], None] | None = None,
+        stores: int = -1,
     ) -> None:
         self.ledger = ledger
         #: ``prefill`` / ``decode``: a leg of a disaggregated request; "" for a whole one
@@ -106,6 +108,9 @@ class Flight:
         self.block_size = block_size
         #: hears the ended flight whose answer reported cached tokens (``AgreementLoop``)
         self.judge = judge
+        #: the stores the rank's events had made when it was placed (-1: not known), which
+        #: tells the loop whether its events said anything since (``AgreementLoop.stores``)
+        self.stores = stores
         self.t0 = t0
         self.timer = timer
         #: the cached prompt tokens the worker's answer reported (the edge reads its usage)

@@ -3,8 +3,11 @@ judged against what the index predicted for its worker when the request was plac
 (:mod:`router.placement.agreement`, the one judge ``kvrouter check`` uses too), one estimate per
 worker. When a worker's reports turn disagreeing, the loop counts it, logs it once with the likely
 cause, and scores that worker from its approximate tree alone (what the router sent it, which no
-wrong event can spoil); once its reports agree again, and not before its hold is over, it goes
-back to its events from a fresh stream. Other workers are untouched.
+wrong event can spoil; for lost stores, ``worker_ahead``, seeded with what its events held, which
+was true); once its recent answers agree again, those that turned it included (a return is a
+fresh stream and, where the fault persists, another turn: measured on the replay, judging the
+tree afresh sent a lossy worker back sooner and cost half a point of hit rate), and not before
+its hold is over, it goes back to its events from a fresh stream. Other workers are untouched.
 
 Pure like the rest of the core: the clock is injected, and the one write it makes — turning a
 worker's ranks approximate or back — goes through :attr:`AgreementLoop.switch`, which the runtime
@@ -24,13 +27,14 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from router.placement.agreement import AgreementEstimator, Observation, Verdict
+from router.placement.agreement import WORKER_AHEAD, AgreementEstimator, Observation, Verdict
 from router.placement.ports import NO_METRICS, PlacementMetrics
 from router.settings.agreement import AgreementSettings
 from router.types import WorkerKey
 
 if TYPE_CHECKING:
     from indexer.index import PrefixIndex
+    from indexer.index.types import RankRecord
     from router.placement.flight import Flight
 
 __all__ = ["AgreementLoop", "observation"]
@@ -38,8 +42,11 @@ __all__ = ["AgreementLoop", "observation"]
 log = logging.getLogger("kvrouter.agreement")
 
 
-def observation(f: Flight, engine_block_size: int = 0) -> Observation | None:
-    """What flight ``f`` predicted when it was placed against what its answer reported; None when
+def observation(
+    f: Flight, engine_block_size: int = 0, stored: bool | None = None
+) -> Observation | None:
+    """What flight ``f`` predicted when it was placed against what its answer reported (and
+    ``stored``: whether its worker's events showed the prompt's first block by then); None when
     the answer reported no cached tokens, or for the decode leg of a remote pick (its prompt's KV
     was transferred, not matched: its report says nothing of its own cache)."""
     if f.cached is None or f.leg == "decode" or f.block_size <= 0:
@@ -52,6 +59,7 @@ def observation(f: Flight, engine_block_size: int = 0) -> Observation | None:
         f.predicted_blocks,
         f.cached,
         engine_block_size,
+        stored,
     )
 
 
@@ -75,11 +83,14 @@ class AgreementLoop:
             window=settings.window,
             window_s=settings.window_s,
             threshold=settings.threshold,
+            ahead_threshold=settings.ahead_threshold,
             min_requests=settings.min_requests,
             clock=clock,
         )
-        #: turns a worker rank approximate (True) or back to its events (False)
-        self.switch: Callable[[WorkerKey, bool], object] = index.set_approximate
+        #: turns a worker rank approximate (True) or back to its events (False); the third
+        #: argument keeps what its events hold as the seed of its tree (lost stores: they were
+        #: true, only incomplete)
+        self.switch: Callable[[WorkerKey, bool, bool], object] = index.set_approximate
         #: the workers the loop scores from their approximate tree: the verdict that turned
         #: them, and the earliest time they may go back
         self.turned: dict[str, tuple[Verdict, float]] = {}
@@ -98,15 +109,41 @@ class AgreementLoop:
         # a worker configured without events has nothing to go back to: nothing to switch
         if rec.approximate and worker not in self.turned:
             return
-        obs = observation(f, rec.page)
+        obs = observation(f, rec.page, self._stored(f, rec))
         if obs is None:
             return
         v = self.estimator.observe(obs)
         if worker in self.turned:
-            if self.clock() >= self.turned[worker][1] and self.estimator.verdict(worker).agrees:
+            now = self.estimator.verdict(worker)
+            if (
+                self.clock() >= self.turned[worker][1]
+                and now.agrees
+                and now.requests >= self.settings.min_requests
+            ):
                 self._back(worker)
         elif v is not None and not v.agrees:
             self._turn(v)
+
+    def stores(self, key: WorkerKey) -> int:
+        """The stores rank ``key``'s events have made so far (-1: unknown, or approximate), for
+        a flight placed there now (``Flight.stores``)."""
+        try:
+            rec = self.index.worker(key)
+        except KeyError:
+            return -1
+        return -1 if rec.approximate else rec.stats.stored_events
+
+    def _stored(self, f: Flight, rec: RankRecord) -> bool | None:
+        """Whether the worker's events showed ``f``'s first block by its answer's end; None where
+        they said nothing since it was placed (late, or a worker that stores nothing: no
+        evidence either way). By then the worker computed the prompt and announced it: silence
+        while it announces other stores is the one sign of a worker the router sends only new
+        prefixes (a hash seed of its own: its events never match, nothing is predicted there).
+        The first block: a page larger than a router block may leave the last partly stored."""
+        hashes = f.ticket.hashes
+        if not hashes or f.stores < 0 or rec.approximate or rec.stats.stored_events <= f.stores:
+            return None
+        return self.index.holds(f.ticket.key, hashes[0])
 
     def verdict(self, worker: str) -> dict[str, object]:
         """The worker's standing for ``GET /workers``: its estimate now, and whether the loop
@@ -114,8 +151,10 @@ class AgreementLoop:
         v = self.estimator.verdict(worker)
         turned = self.turned.get(worker)
         shown = turned[0] if turned is not None and v.agrees else v
+        # a turned worker agrees once enough answers say so (not for want of any in its window)
+        agrees = v.agrees and (turned is None or v.requests >= self.settings.min_requests)
         return {
-            "agrees": v.agrees,
+            "agrees": agrees,
             "kind": shown.kind,
             "likely": shown.likely,
             "requests": v.requests,
@@ -147,8 +186,12 @@ class AgreementLoop:
             v.likely,
         )
         self.metrics.agreement(v.worker, v.kind, True)
+        # the worker reports more than its events say: what they say is true (stores lost),
+        # so its tree starts from it; the index claiming more than the worker reuses is the
+        # opposite, and its entries go (they are what is wrong)
+        keep = v.kind == WORKER_AHEAD
         for key in self._keys(v.worker):
-            self.switch(key, True)
+            self.switch(key, True, keep)
 
     def _back(self, worker: str) -> None:
         v, _ = self.turned.pop(worker)
@@ -157,4 +200,4 @@ class AgreementLoop:
         # the events are judged afresh: the approximate tree's answers say nothing of them
         self.estimator.forget(worker)
         for key in self._keys(worker):
-            self.switch(key, False)
+            self.switch(key, False, False)

@@ -332,6 +332,7 @@ class Placer:
             prompt_tokens=d.tokens,
             block_size=d.block_size,
             judge=self.loop.answered,
+            stores=self.loop.stores(c.key),
         )
         if by_events:
             self.awaiting.wait(f)

@@ -91,9 +91,11 @@ class FakeWorker:
         self.running = 0
         self.cached: set[int] = set()  # engine hashes on GPU
         #: faults for the closed loop's tests: stores that never reach the stream (no gap in
-        #: seq: silent loss), and answers that report no cached tokens (prefix caching off)
+        #: seq: silent loss), answers that report no cached tokens (prefix caching off), and
+        #: stores announced under token ids offset by this (another hash seed: never matched)
         self.silent_events = False
         self.reports_cached = True
+        self.events_salt = 0
         self.seq = 0
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=10_000)
         self.pub = ctx.socket(zmq.PUB)
@@ -182,7 +184,7 @@ class FakeWorker:
                 BlockStored(
                     block_hashes=list(hashes),
                     parent_block_hash=None,
-                    token_ids=list(tokens[: n * bs]),
+                    token_ids=[t + self.events_salt for t in tokens[: n * bs]],
                     block_size=bs,
                     medium=medium,
                 )

@@ -1,9 +1,11 @@
 """The closed loop over real sockets (issue 36): real fake workers publish real KV events and
 report ``cached_tokens``; one of them goes wrong without a sequence gap — it reuses nothing its
-events claim (prefix caching off, a different hash seed), or its stores never reach the stream
-(silent loss). The router names that worker and the likely cause within 50 of its requests
-(``GET /workers``, ``/metrics``), scores it from what it sent it, leaves the others on their
-events, and takes it back to its events, from a fresh replay, once its reports agree again."""
+events claim (prefix caching off, a different hash seed), its stores never reach the stream
+(silent loss), or its events store under keys the router never computes (another hash seed),
+so that the router sends it only new prefixes and its answers alone say nothing. The router names that worker and the likely cause within 50 of its requests
+(``GET /workers``, ``/metrics``), scores it from what it sent it (and, for lost stores, from
+what its events held, which was true), leaves the others on their events, and takes it back to
+its events, from a fresh replay, once its reports agree again."""
 
 from __future__ import annotations
 
@@ -96,8 +98,12 @@ async def test_a_worker_whose_stores_are_silently_lost_is_named_and_scored_from_
     workers, router, http
 ) -> None:
     a, b = await workers("a"), await workers("b")
-    a.silent_events = True  # what it stores never reaches the stream, and no seq is skipped
     r = await router([a, b], agreement=LOOP)
+    # what its events did say before the loss was true: it stays through the turn
+    before = text("Q", 5) + "|before"
+    a.store(list(before.encode()))
+    await wait_for(lambda: r.matched(list(before.encode()), "a") == 5, 5, "a's events")
+    a.silent_events = True  # what it stores never reaches the stream, and no seq is skipped
     for i in range(50):
         prompt = text(chr(ord("A") + i % 26), 6) + f"|{i}"
         a.store(list(prompt.encode()))  # it holds the prefix (another router sent it, say)
@@ -109,7 +115,32 @@ async def test_a_worker_whose_stores_are_silently_lost_is_named_and_scored_from_
     assert (ag["scoring"], ag["kind"]) == ("approximate", "worker_ahead")
     assert "never matched" in ag["likely"]
     assert ws["b"]["source"] == "events" and ws["b"]["agreement"]["scoring"] == "events"
-    # scored from what the router sent it: a prompt sent there is matched there now
+    # scored from what the router sent it and what its events held when it turned (a worker
+    # ahead of its events lost stores: what they say is true), both matched there now
     prompt = text("z", 4) + "|sent"
     await complete(http, r, prompt, "a")
     await wait_for(lambda: r.matched(list(prompt.encode()), "a") == 4, 5, "a's approximate tree")
+    assert r.matched(list(before.encode()), "a") == 5
+
+
+async def test_a_worker_whose_events_never_match_is_named_though_it_only_gets_new_prefixes(
+    workers, router, http
+) -> None:
+    a, b = await workers("a"), await workers("b")
+    a.events_salt = 1 << 20  # another hash seed: it announces every store, under other keys
+    r = await router([a, b], agreement=LOOP)
+    named = 0
+    for i in range(50):  # every prompt new: nothing predicted, nothing reused, on either
+        prompt = text(chr(ord("A") + i % 26), 4) + f"|new {i}"
+        assert await complete(http, r, prompt, "a") == 0
+        assert await complete(http, r, prompt + "|b", "b") == 0
+        if (await listed(http, r))["a"]["source"] == "approximate":
+            named = i + 1
+            break
+    assert 0 < named <= 50, "a was not named within 50 of its requests"
+    ws = await listed(http, r)
+    ag = ws["a"]["agreement"]
+    assert (ag["scoring"], ag["kind"]) == ("approximate", "worker_ahead")
+    assert "never showed" in ag["likely"] and "hash seed" in ag["likely"]
+    # b's events show every prompt it was sent: it agrees, on its events
+    assert ws["b"]["source"] == "events" and ws["b"]["agreement"]["agrees"]

@@ -98,3 +98,39 @@ def test_changing_kind_drops_the_other_kinds_entries() -> None:
     assert not index.approximate(EVENTS)
     assert index.match(hashes).workers[EVENTS].matched_blocks == 0
     assert len(index) == 0
+
+
+def test_turning_approximate_with_keep_seeds_the_tree_from_the_events() -> None:
+    # a rank whose events lost stores: what they did say stays, what was sent since joins it
+    index = new_index()
+    rng = random.Random(6)
+    kept, lost = tokens(rng, 3), tokens(rng, 2)
+    index.apply_event(EVENTS, BlockStored([1, 2, 3], None, kept, BS))
+    index.set_approximate(EVENTS, True, True)
+    assert index.approximate(EVENTS)
+    held = index.request_hashes(kept)
+    assert index.match(held).workers[EVENTS].matched_blocks == 3
+    assert index.worker(EVENTS).entries() == 3
+    sent = index.request_hashes(lost)
+    assert index.record_sent(EVENTS, sent) == 2
+    assert index.match(sent).workers[EVENTS].matched_blocks == 2
+    # its events are not applied while approximate; without keep, nothing would have stayed
+    index.apply_event(EVENTS, BlockStored([9], None, tokens(rng, 1), BS))
+    assert index.worker(EVENTS).entries() == 5
+    index.set_approximate(EVENTS, False)
+    index.apply_event(EVENTS, BlockStored([1, 2, 3], None, kept, BS))
+    index.set_approximate(EVENTS, True)
+    assert index.match(held).workers[EVENTS].matched_blocks == 0
+
+
+def test_the_seed_is_bounded_by_the_trees_cap_oldest_stores_first() -> None:
+    index = new_index()
+    index.set_rank_capacity(EVENTS, {"GPU": 2})
+    rng = random.Random(7)
+    old, new = tokens(rng, 1), tokens(rng, 2)
+    index.apply_event(EVENTS, BlockStored([1], None, old, BS))
+    index.apply_event(EVENTS, BlockStored([2, 3], None, new, BS))
+    index.set_approximate(EVENTS, True, True)
+    assert index.worker(EVENTS).entries() == 2
+    assert index.match(index.request_hashes(new)).workers[EVENTS].matched_blocks == 2
+    assert index.match(index.request_hashes(old)).workers[EVENTS].matched_blocks == 0

@@ -38,9 +38,12 @@ def test_a_worker_with_another_hash_seed_is_named_and_switched() -> None:
     assert {t[0] for t in turned} == {"w1"}  # the faulty one and nobody else
     _, _, answers, kind, likely, _ = turned[0]
     assert kind == "worker_ahead" and "hash seed" in likely
-    # not before the estimate's minimum, and soon: here after 53 answers of w1 (34 informative)
-    assert 8 <= answers <= 60
-    assert run.loop.verdicts["w1"]["scoring"] == "approximate"
+    # not before the estimate's minimum, and soon: here after 8, each of whose prompts its events
+    # (announcing stores all along) never showed by its end
+    assert 8 <= answers <= 60 and "never showed" in likely
+    # scored from its tree for its hold (30 s) at least before a probation on its events
+    back = [t for t in run.loop.turns if not t[1]]
+    assert all(b[5] - turned[0][5] >= 30.0 for b in back[:1])
     assert run.loop.verdicts["w0"]["scoring"] == "events" and run.loop.verdicts["w0"]["agrees"]
     assert run.policy == "kvrouter [seed x1; loop on]"
     assert run.extra["turned"].startswith("w1@")

@@ -201,7 +201,48 @@ def test_the_dominant_disagreement_is_the_verdict() -> None:
     assert v.counts == {AGREE: 0, INDEX_AHEAD: 4, WORKER_AHEAD: 2}
 
 
+def test_a_few_worker_ahead_answers_in_a_full_window_turn_a_worker() -> None:
+    # lost stores: most answers agree (the router sends the lost prefixes elsewhere), a few
+    # report hits the index never predicted; right events give none of those
+    est = AgreementEstimator(
+        window=20, threshold=0.5, ahead_threshold=0.2, min_requests=4, clock=Clock()
+    )
+    assert est.observe(obs(6 * BS)) is None  # one early answer: below min_requests
+    for _ in range(4):
+        assert est.observe(obs(10 * BS, gpu=10)) is None
+    # 1 of 5 is past a 0.2 share, but not 0.2 of a full window: still agrees
+    assert est.verdict("w0").agrees
+    for _ in range(2):
+        assert est.observe(obs(6 * BS)) is None
+    v = est.observe(obs(6 * BS))  # the 4th of a window of 20: 0.2 of it
+    assert v is not None and not v.agrees and v.kind == WORKER_AHEAD
+    assert v.counts == {AGREE: 4, INDEX_AHEAD: 0, WORKER_AHEAD: 4}
+    # it agrees again below half the line: once 3 of the 4 have left the window
+    changes = [est.observe(obs(10 * BS, gpu=10)) for _ in range(20)]
+    back = [i for i, c in enumerate(changes) if c is not None]
+    assert back == [18] and est.verdict("w0").agrees
+
+
 def test_bad_settings_are_refused() -> None:
-    for kw in ({"window": 0}, {"min_requests": 0}, {"threshold": 0.0}, {"threshold": 1.5}):
+    for kw in (
+        {"window": 0},
+        {"min_requests": 0},
+        {"threshold": 0.0},
+        {"threshold": 1.5},
+        {"ahead_threshold": 0.0},
+    ):
         with pytest.raises(ValueError):
             AgreementEstimator(**kw)  # type: ignore[arg-type]
+
+
+def test_an_answer_whose_prompt_its_events_never_showed_is_worker_ahead() -> None:
+    # a worker the router sends only new prefixes: nothing predicted, nothing reported, yet
+    # its events (which announce other stores) never showed the prompt it just computed
+    silent = Observation("w", 10 * BS + 5, BS, {}, 0, 0, 0, False)
+    c = compare(silent)
+    assert c.kind == WORKER_AHEAD and "never showed" in c.likely and "hash seed" in c.likely
+    assert compare(Observation("w", 10 * BS + 5, BS, {}, 0, 0, 0, True)).kind == NO_SIGNAL
+    assert compare(Observation("w", 10 * BS + 5, BS, {}, 0, 0, 0, None)).kind == NO_SIGNAL
+    # a disagreement of its own keeps its shape and cause
+    lost = compare(Observation("w", 10 * BS + 5, BS, {"GPU": 10}, 0, 0, 0, False))
+    assert lost.kind == INDEX_AHEAD

@@ -136,20 +136,23 @@ def lost_stores(placer: Placer, clock: Clock, p: list[int]) -> None:
 
 
 def test_a_hold_keeps_a_worker_approximate_and_doubles_each_time() -> None:
-    placer, clock, turns = build(hold_s=1000.0)
+    placer, clock, turns = build(hold_s=1000.0, window=16)
     loop = placer.loop
     prompts = [list(range(1000 * k, 1000 * k + 6 * BS)) for k in range(1, 60)]
     for p in prompts[:8]:
         lost_stores(placer, clock, p)
     assert turns.calls == [("a", WORKER_AHEAD, True)]
     assert "never matched" in str(loop.verdict("a")["likely"])
-    for p in prompts[8:40]:  # the tree agrees, but the hold is not over
+    for p in prompts[8:40]:  # the tree agrees (the turning answers left the window), held
         lost_stores(placer, clock, p)
     assert placer.index.approximate(("a", 0)) and loop.estimator.verdict("a").agrees
-    clock.t += 1000
-    answer(placer, prompts[40], 0, "a")
-    assert not placer.index.approximate(("a", 0)) and turns.calls[-1][2] is False
-    for p in prompts[41:49]:  # still lost: turned again, held twice as long
+    clock.t += 1000  # the hold is over, and the answers that judged the tree too old to count
+    k = 40
+    while placer.index.approximate(("a", 0)):  # back once enough recent answers agree
+        lost_stores(placer, clock, prompts[k])
+        k += 1
+    assert k == 48 and turns.calls[-1][2] is False
+    for p in prompts[k : k + 8]:  # still lost: turned again, held twice as long
         lost_stores(placer, clock, p)
     assert turns.calls[-1] == ("a", WORKER_AHEAD, True) and loop.trips["a"] == 2
     assert loop.turned["a"][1] - clock.t > 1000  # (it turned less than 1000 s ago)
@@ -168,3 +171,43 @@ def test_the_loop_off_judges_nothing() -> None:
     for k in range(1, 20):
         answer(placer, list(range(1000 * k, 1000 * k + 6 * BS)), 5 * BS, "a")
     assert turns.calls == [] and placer.loop.estimator.workers() == []
+
+
+def test_lost_stores_keep_what_the_events_held_as_the_trees_seed() -> None:
+    # worker_ahead: the events were true, only incomplete; an empty tree would forget them
+    placer, clock, turns = build(hold_s=1000.0)
+    held = list(range(500, 500 + 6 * BS))
+    store(placer, "a", held)
+    hashes = placer.index.request_hashes(held)
+    for k in range(1, 9):
+        lost_stores(placer, clock, list(range(1000 * k, 1000 * k + 6 * BS)))
+    assert turns.calls == [("a", WORKER_AHEAD, True)]
+    assert placer.index.approximate(("a", 0))
+    assert placer.index.match(hashes).workers[("a", 0)].matched_blocks == 6
+    view = placer.loop.verdict("a")
+    assert (view["scoring"], view["agrees"], view["kind"]) == ("approximate", False, WORKER_AHEAD)
+
+
+def test_a_worker_whose_events_never_show_what_it_was_sent_is_named() -> None:
+    # another hash seed: its events store every prompt, under keys the router never computes,
+    # so nothing is ever predicted or matched there and every answer alone says nothing
+    placer, _, turns = build()
+    for k in range(1, 20):
+        p = list(range(1000 * k, 1000 * k + 6 * BS))
+        d = placer.place(p)
+        f = placer.fly(d, next(j for j, c in enumerate(d.candidates) if c.key == ("a", 0)), "x")
+        store(placer, "a", [t + 1_000_000 for t in p])  # (its own seed: other keys)
+        f.cached = 0
+        f.done("200")
+        if turns.calls:
+            break
+    assert turns.calls == [("a", WORKER_AHEAD, True)] and k == 8
+    assert "never showed" in str(placer.loop.verdict("a")["likely"])
+
+
+def test_a_worker_whose_events_said_nothing_since_is_not_judged_by_them() -> None:
+    # late events, or a worker that stores nothing: no evidence either way
+    placer, _, turns = build()
+    for k in range(1, 20):
+        answer(placer, list(range(1000 * k, 1000 * k + 6 * BS)), 0, "a")
+    assert turns.calls == [] and placer.loop.estimator.verdict("a").requests == 0
