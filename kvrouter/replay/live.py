@@ -8,7 +8,9 @@ already running — a kvrouter URL, an sglang-router or smg URL, OpenAI worker U
 the client-side policies (their prefix caches are reset between policies where the workers allow
 ``POST /reset_prefix_cache``). The client (:mod:`kvrouter.replay.live_client`) paces, streams and
 measures; a :class:`PolicyRun` carries what it saw plus the router's CPU seconds (and Envoy's, for
-``kvrouter-epp``) and the engines' counters.
+``kvrouter-epp``) and the engines' counters. A fleet of our own may mix workers without events
+and carry faults (``--no-events``, ``--fault-*``, ``--loop``: :mod:`kvrouter.replay.fleet`); the
+rows of the routers that read events say so, as in virtual time.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import TextIO
 import httpx
 
 from kvrouter.gateway import GatewayError, envoy_binary
+from kvrouter.replay.faults import Faults, faults_of
 from kvrouter.replay.fleet import EngineCounters, Fleet, FleetSpec, cpu_seconds, engine_counters
 from kvrouter.replay.live_client import (
     CLIENT_POLICIES,
@@ -33,6 +36,7 @@ from kvrouter.replay.live_client import (
     drive,
     model_of,
 )
+from kvrouter.replay.relay import relayed_specs
 
 __all__ = [
     "EPP_HEAD_POLICY",
@@ -120,8 +124,9 @@ def run_policy(
         if policy in ("kvrouter", *EPP_POLICIES):
             epp = policy in EPP_POLICIES
             n = 1 if epp else targets.router_processes  # (the EPP is process 0's alone)
+            specs, _ = relayed_specs(fleet)  # (no events, faults: kvrouter's alone)
             router = fleet.start_kvrouter(
-                targets.router_config, targets.router_env, epp=epp, processes=n
+                targets.router_config, targets.router_env, epp=epp, processes=n, specs=specs
             )
             if epp:  # the client calls Envoy, which asks the router's EPP
                 router = fleet.start_gateway(targets.envoy_bin, head_only=policy == EPP_HEAD_POLICY)
@@ -135,6 +140,8 @@ def run_policy(
             router = fleet.start_smg(targets.smg_python)
         else:
             client = ClientPolicy(policy, fleet.engine_urls, seed)
+        if requests:  # (virtual time's moment: the middle of the slice's arrivals)
+            fleet.schedule_restart((requests[-1].arrival_s - requests[0].arrival_s) / 2 / speedup)
         cpu0, gw0 = fleet.router_cpu(), fleet.gateway_cpu()
         start = time.perf_counter()
         outcomes = asyncio.run(
@@ -153,7 +160,16 @@ def run_policy(
         cpu = cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None
         gw = gw1 - gw0 if gw0 is not None and gw1 is not None else None
         label = policy if policy != "kvrouter" or n == 1 else f"kvrouter ({n} processes)"
+        label += _fleet_label(targets.fleet, policy.startswith("kvrouter"))
         return PolicyRun(label, outcomes, wall, cpu, fleet.counters(), gateway_cpu_s=gw)
+
+
+def _fleet_label(spec: FleetSpec, router: bool) -> str:
+    """A row's suffix for the fleet's faults (all policies: a restart is the engines') and, on a
+    router that reads events, its workers without any and its loop."""
+    k = spec.no_events if router else 0
+    mixed = f" [{k} of {spec.workers} without events]" if k else ""
+    return mixed + spec.faults.label(router=router)
 
 
 def _run_external(
@@ -294,6 +310,13 @@ def targets_from_args(
         raise ValueError(f"--router-processes must be at least 1, got {args.router_processes}")
     if args.router_processes > 1 and external:
         raise ValueError("--router-processes starts the fleet's own router: not with --*-url")
+    # (a parser with the live options alone, as the unit tests build, has no fault options)
+    faults = faults_of(args) if "fault_drop" in vars(args) else Faults()
+    no_events = getattr(args, "no_events", 0)
+    if external and (faults.label() or no_events):
+        raise ValueError("--no-events and --fault-* need a fleet of our own (no --*-url)")
+    if not 0 <= no_events <= workers:
+        raise ValueError(f"--no-events must be in [0, {workers}], got {no_events}")
     fleet = None
     if not external:
         fleet = FleetSpec(
@@ -303,6 +326,9 @@ def targets_from_args(
             cpu_blocks=args.cpu_blocks,
             speedup=speedup,
             engine_args=tuple(args.engine_arg),
+            no_events=no_events,
+            faults=faults,
+            seed=getattr(args, "seed", 0),
         )
     return LiveTargets(
         fleet=fleet,
