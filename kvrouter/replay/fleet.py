@@ -291,6 +291,19 @@ class Fleet:
     def counters(self) -> list[EngineCounters]:
         return [engine_counters(u) for u in self.engine_urls]
 
+    def loop_turns(self) -> str:
+        """What the kvrouter's closed loop did, from its ``/metrics``: each worker it turned to
+        its approximate tree, how often and why (``engine-7 x2 index_ahead``), else ``-``."""
+        assert self.router_url is not None
+        text = httpx.get(self.router_url + "/metrics", timeout=10).text
+        turns = [
+            f"{s.labels['worker']} x{s.value:g} {s.labels['reason']}"
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name == "kvrouter_agreement_disagreements_total" and s.value > 0
+        ]
+        return " ".join(sorted(turns)) or "-"
+
 
 def engine_counters(url: str) -> EngineCounters:
     """A bundled engine's (or vLLM's: same names) request, token and preemption counters."""

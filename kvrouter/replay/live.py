@@ -97,6 +97,8 @@ class PolicyRun:
     engines: list[EngineCounters] = field(default_factory=list)
     #: CPU seconds the gateway (Envoy, policy kvrouter-epp) used during the run
     gateway_cpu_s: float | None = None
+    #: the row's own columns (kvrouter with faults: ``turned``, what its closed loop did)
+    extra: dict[str, str] = field(default_factory=dict)
 
 
 def run_policy(
@@ -160,8 +162,10 @@ def run_policy(
         cpu = cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None
         gw = gw1 - gw0 if gw0 is not None and gw1 is not None else None
         label = policy if policy != "kvrouter" or n == 1 else f"kvrouter ({n} processes)"
-        label += _fleet_label(targets.fleet, policy.startswith("kvrouter"))
-        return PolicyRun(label, outcomes, wall, cpu, fleet.counters(), gateway_cpu_s=gw)
+        ours = policy.startswith("kvrouter")
+        label += _fleet_label(targets.fleet, ours)
+        turned = {"turned": fleet.loop_turns()} if ours and targets.fleet.faults.label() else {}
+        return PolicyRun(label, outcomes, wall, cpu, fleet.counters(), gw, turned)
 
 
 def _fleet_label(spec: FleetSpec, router: bool) -> str:

@@ -1,12 +1,15 @@
 """The live fleet's mixed workers and faults (:mod:`kvrouter.replay.fleet`,
 :func:`kvrouter.replay.relay.relayed_specs`, issue 36): which of
 kvrouter's ``--worker`` specs have no events, which go through a relay (real ZMQ sockets) and
-which keep the engine's replay endpoint; the rows say so; options that need a fleet of our own
+which keep the engine's replay endpoint; the rows say so, and what the router's loop did (from its
+/metrics, served here by a real HTTP server); options that need a fleet of our own
 are refused with one."""
 
 from __future__ import annotations
 
 import argparse
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -88,3 +91,40 @@ def test_the_options_reach_the_fleet_and_need_one_of_our_own() -> None:
             targets_from_args(_parser().parse_args([*bad, "--router-url", "http://r"]), **shape)
     with pytest.raises(ValueError, match="--no-events must be in"):
         targets_from_args(_parser().parse_args(["--no-events", "9"]), **shape)
+
+
+TURNED = (
+    "# TYPE kvrouter_agreement_disagreements_total counter\n"
+    'kvrouter_agreement_disagreements_total{worker="engine-7",reason="index_ahead"} 2.0\n'
+    'kvrouter_agreement_disagreements_total{worker="engine-6",reason="worker_ahead"} 0.0\n'
+)
+
+
+class _Metrics(BaseHTTPRequestHandler):
+    """Serves its server's ``text`` as a router's /metrics."""
+
+    def do_GET(self) -> None:
+        body = self.server.text.encode()  # type: ignore[attr-defined]
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:  # (quiet)
+        pass
+
+
+def test_the_row_says_which_workers_the_loop_turned() -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Metrics)
+    server.text = TURNED  # type: ignore[attr-defined]
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        fleet = Fleet(FleetSpec())
+        fleet.router_url = f"http://127.0.0.1:{server.server_address[1]}"
+        assert fleet.loop_turns() == "engine-7 x2 index_ahead"  # (a zero counter: not turned)
+        server.text = "# TYPE kvrouter_up gauge\nkvrouter_up 1.0\n"
+        assert fleet.loop_turns() == "-"
+    finally:
+        server.shutdown()
+        server.server_close()
