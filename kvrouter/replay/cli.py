@@ -107,6 +107,15 @@ def _parser() -> argparse.ArgumentParser:
         help="KV tokens per worker, instead of --gpu-blocks (e.g. 262144 or 131072: caches that "
         "evict what the trace reuses)",
     )
+    f.add_argument(
+        "--no-events",
+        type=int,
+        default=0,
+        metavar="K",
+        help="policy kvrouter (one router): K of the workers publish no KV events, routed on "
+        "what the router sent them (default 0)",
+    )
+    add_fault_arguments(f)
     v = p.add_argument_group("virtual time (--mode virtual)")
     v.add_argument(
         "--max-num-batched-tokens",
@@ -118,15 +127,6 @@ def _parser() -> argparse.ArgumentParser:
         "--max-num-seqs", type=int, default=64, help="an engine's running requests (default 64)"
     )
     v.add_argument("--event-delay-ms", type=float, default=5.0, help="events reach the index late")
-    v.add_argument(
-        "--no-events",
-        type=int,
-        default=0,
-        metavar="K",
-        help="policy kvrouter (one router): K of the workers publish no KV events, routed on "
-        "what the router sent them (default 0)",
-    )
-    add_fault_arguments(v)
     v.add_argument(
         "--sim-option",
         action="append",

@@ -1,5 +1,7 @@
-"""Faults in the virtual replay (issue 36): KV events that go wrong without a sequence gap, so
-the index is wrong and nothing but the workers' own cached-token reports can say so.
+"""Faults in the replay (issue 36): KV events that go wrong without a sequence gap, so the index
+is wrong and nothing but the workers' own cached-token reports can say so. Modeled here in virtual
+time; live, the same flags put a ZMQ relay on the faulty engines' path to a real router
+(:mod:`kvrouter.replay.relay`), which spoils their events as below.
 
 * ``--fault-drop P:K``: the last K workers silently lose each KV event with probability P (the
   index misses stores and removals alike);
@@ -39,17 +41,20 @@ from router.settings import Settings
 from router.types import WorkerKey
 
 __all__ = [
+    "SALT",
     "FaultInjector",
     "Faults",
     "LoopLog",
     "add_fault_arguments",
     "faults_of",
     "loop_settings",
+    "row_suffix",
+    "salted",
     "watch_loop",
 ]
 
 #: what the seed fault adds to every token id its workers' stores carry
-_SALT = 1 << 40
+SALT = 1 << 40
 
 
 @dataclass(frozen=True)
@@ -79,7 +84,7 @@ class Faults:
 
 
 def add_fault_arguments(group: Any) -> None:
-    """The fault flags on the replay's virtual-time argument group."""
+    """The fault flags (both modes) on the replay's fleet argument group."""
     a = group.add_argument
     a("--fault-drop", metavar="P:K", help="the last K workers silently lose a fraction P of "
       "their KV events (no sequence gap)")  # fmt: skip
@@ -135,7 +140,7 @@ class FaultInjector:
                     kept.append(ev)
             events = kept
         if w in self.seeded:
-            events = [_salted(ev) if type(ev) is BlockStored else ev for ev in events]
+            events = [salted(ev) if type(ev) is BlockStored else ev for ev in events]
         return events
 
     def arrive(self, now: float, engines: Sequence[LLMEngine]) -> None:
@@ -151,7 +156,7 @@ class FaultInjector:
         the router (those still on the way come live), through its own seed only."""
         out = [ev for at, batch in self.published.get(w, ()) if at <= now for ev in batch]
         return (
-            [_salted(ev) if type(ev) is BlockStored else ev for ev in out]
+            [salted(ev) if type(ev) is BlockStored else ev for ev in out]
             if (w in self.seeded)
             else out
         )
@@ -172,8 +177,9 @@ def loop_settings(settings: Settings, faults: Faults) -> Settings:
     return msgspec.structs.replace(settings, agreement=agreement)
 
 
-def _salted(ev: BlockStored) -> BlockStored:
-    return msgspec.structs.replace(ev, token_ids=[t + _SALT for t in ev.token_ids])
+def salted(ev: BlockStored) -> BlockStored:
+    """A store as a worker hashing with another seed publishes it (the seed fault, both modes)."""
+    return msgspec.structs.replace(ev, token_ids=[t + SALT for t in ev.token_ids])
 
 
 @dataclass
@@ -211,3 +217,10 @@ def watch_loop(placer: Any, log: LoopLog, clock: Any) -> None:
         return None
 
     loop.switch = recorded
+
+
+def row_suffix(faults: Faults, no_events: int, workers: int, router: bool) -> str:
+    """A live row's suffix: its fleet's faults (every policy's: a restart is the engines') and,
+    on a router that reads events (``router``), its workers without any and its loop."""
+    mixed = f" [{no_events} of {workers} without events]" if no_events else ""
+    return mixed + faults.label(router=router)

@@ -12,12 +12,25 @@ serve one model name, which it routes by). For policy ``kvrouter-epp`` the
 router runs its endpoint picker on a free port and a real Envoy (:mod:`kvrouter.gateway`) in front
 of it is what clients call (:meth:`Fleet.start_gateway`). Closing stops them all.
 
+Mixed fleets and faults (issue 36), for kvrouter alone (the peers subscribe to no events): the
+first ``no_events`` engines are ``events=none`` workers of the router (they still run; it keeps
+their approximate trees), and an engine with a fault in :attr:`FleetSpec.faults` (the last K of
+each, as in virtual time) reaches the router through a :class:`kvrouter.replay.relay.EventRelay`
+that spoils its events with no sequence gap (:func:`kvrouter.replay.relay.relayed_specs`, not here:
+the virtual replay imports this module, and no zmq); the router still asks the engine's own replay
+endpoint for a fresh stream (not a reseeded one's: that would heal what the fault models, so it
+has none and rebuilds from its live events). ``faults.loop`` off sets
+``KVROUTER_AGREEMENT__ENABLED=false``. A silent restart (:meth:`Fleet.schedule_restart`) is real
+for every policy: ``POST /reset_prefix_cache`` on those engines mid-run, their
+``AllBlocksCleared`` swallowed by the relay.
+
 CPU time is read from ``/proc/<pid>/stat`` (utime + stime of the process and its live
 descendants), so no psutil; on a system without ``/proc`` it is reported as unknown.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -30,6 +43,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvrouter.gateway import EPP_ENV, EPP_READY, EnvoyProcess, load, render
+from kvrouter.replay.faults import Faults
 from kvrouter.up import (
     ENGINE_READY,
     PROCESS_READY,
@@ -63,6 +77,12 @@ class FleetSpec:
     #: a prefill/decode fleet instead of ``workers`` aggregated engines: P ``--role prefill``
     #: engines (prefill-0...), then D ``--role decode`` (decode-0...), as ``kvrouter up --pd``
     pd: tuple[int, int] | None = None
+    #: the first that many engines are the router's workers without events
+    no_events: int = 0
+    #: faults on the way from the engines to the router, and the closed loop on or off
+    faults: Faults = field(default_factory=Faults)
+    #: the relays' random choices (engine i's relay draws from seed + i)
+    seed: int = 0
 
     @property
     def roles(self) -> list[str]:
@@ -130,6 +150,11 @@ class Fleet:
         self.worker_specs: list[str] = []
         #: each engine's KV event endpoint (vllm-router's ``--pd-kv-events``)
         self.event_urls: list[str] = []
+        #: each engine's ENGINE_READY groups: (url, events, replay)
+        self.endpoints: list[tuple[str, ...]] = []
+        #: closed after the children (the relays of :func:`kvrouter.replay.relay.relayed_specs`)
+        self.exits = contextlib.ExitStack()
+        self._restart: threading.Timer | None = None
         self.router_url: str | None = None
         self.router_pid: int | None = None
         #: the router's EPP port (start_kvrouter(epp=True)) and the Envoy in front of it
@@ -150,10 +175,13 @@ class Fleet:
 
     def close(self) -> None:
         self._stop.set()
+        if self._restart is not None:
+            self._restart.cancel()
         if self.gateway is not None:  # first: it stops sending traffic
             self.gateway.stop()
         stop_children(self.children)
         self.children.clear()
+        self.exits.close()
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Child:
         child = spawn(name, argv, log=self.log, env=env)
@@ -189,9 +217,25 @@ class Fleet:
             self.engine_urls.append(ready.group(1))
             self.event_urls.append(ready.group(2))
             self.worker_specs.append(worker_spec(child.name, ready, role=role if pd else None))
+            self.endpoints.append(ready.groups())
 
     def urls_of(self, role: str) -> list[str]:
         return [u for u, r in zip(self.engine_urls, self.spec.roles) if r == role]
+
+    def schedule_restart(self, after_s: float) -> None:
+        """The faults' silent restart, ``after_s`` from now: the last ``restart_k`` engines
+        forget their cache (their relays swallow the ``AllBlocksCleared``)."""
+        k = self.spec.faults.restart_k
+        if not k:
+            return
+
+        def restart() -> None:
+            for url in self.engine_urls[-k:]:
+                httpx.post(url + "/reset_prefix_cache", timeout=30).raise_for_status()
+
+        self._restart = threading.Timer(after_s, restart)
+        self._restart.daemon = True
+        self._restart.start()
 
     def start_kvrouter(
         self,
@@ -200,12 +244,16 @@ class Fleet:
         *,
         epp: bool = False,
         processes: int = 1,
+        specs: Sequence[str] | None = None,
     ) -> str:
-        """The router; with ``epp`` its endpoint picker too, on a free port (``epp_port``); with
-        ``processes`` > 1, ``kvrouter serve --processes N``: N synced replicas on one port, the
-        kernel spreading connections, ready once every one of them listens."""
-        argv = router_argv(self.worker_specs, block_size=self.spec.block_size)
+        """The router (``specs``: its workers, default each engine's own streams); with ``epp``
+        its endpoint picker too, on a free port (``epp_port``); with ``processes`` > 1,
+        ``kvrouter serve --processes N``: N synced replicas on one port, the kernel spreading
+        connections, ready once every one of them listens."""
+        argv = router_argv(specs or self.worker_specs, block_size=self.spec.block_size)
         argv += ["--log-level", "warning", *(["--config", config] if config else [])]
+        if not self.spec.faults.loop:
+            env = {"KVROUTER_AGREEMENT__ENABLED": "false", **(env or {})}
         if processes > 1:
             if epp:  # (its EPP line and the processes' lines would race for wait_line)
                 raise UpError("the fleet's router runs as one process when it serves EPP")
@@ -305,6 +353,19 @@ class Fleet:
 
     def counters(self) -> list[EngineCounters]:
         return [engine_counters(u, r) for u, r in zip(self.engine_urls, self.spec.roles)]
+
+    def loop_turns(self) -> str:
+        """What the kvrouter's closed loop did, from its ``/metrics``: each worker it turned to
+        its approximate tree, how often and why (``engine-7 x2 index_ahead``), else ``-``."""
+        assert self.router_url is not None
+        text = httpx.get(self.router_url + "/metrics", timeout=10).text
+        turns = [
+            f"{s.labels['worker']} x{s.value:g} {s.labels['reason']}"
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name == "kvrouter_agreement_disagreements_total" and s.value > 0
+        ]
+        return " ".join(sorted(turns)) or "-"
 
 
 def engine_counters(url: str, role: str = "both") -> EngineCounters:

@@ -8,7 +8,9 @@ already running — a kvrouter URL, an sglang-router or smg URL, OpenAI worker U
 the client-side policies (their prefix caches are reset between policies where the workers allow
 ``POST /reset_prefix_cache``). The client (:mod:`kvrouter.replay.live_client`) paces, streams and
 measures; a :class:`PolicyRun` carries what it saw plus the router's CPU seconds (and Envoy's, for
-``kvrouter-epp``) and the engines' counters.
+``kvrouter-epp``) and the engines' counters. A fleet of our own may mix workers without events
+and carry faults (``--no-events``, ``--fault-*``, ``--loop``: :mod:`kvrouter.replay.fleet`); the
+rows of the routers that read events say so, as in virtual time.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any, TextIO
 import httpx
 
 from kvrouter.gateway import GatewayError, envoy_binary
+from kvrouter.replay.faults import Faults, faults_of, row_suffix
 from kvrouter.replay.fleet import EngineCounters, Fleet, FleetSpec, cpu_seconds, engine_counters
 from kvrouter.replay.live_client import (
     CLIENT_POLICIES,
@@ -34,6 +37,7 @@ from kvrouter.replay.live_client import (
     model_of,
 )
 from kvrouter.replay.live_pd import pd_columns, pd_label
+from kvrouter.replay.relay import relayed_specs
 
 __all__ = [
     "EPP_HEAD_POLICY",
@@ -102,7 +106,8 @@ class PolicyRun:
     engines: list[EngineCounters] = field(default_factory=list)
     #: CPU seconds the gateway (Envoy, policy kvrouter-epp) used during the run
     gateway_cpu_s: float | None = None
-    #: a PD fleet's own columns (:func:`pd_columns`)
+    #: the row's own columns: a PD fleet's (:func:`pd_columns`); kvrouter with faults: ``turned``,
+    #: what its closed loop did
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -146,7 +151,11 @@ def run_policy(
             env = dict(targets.router_env)
             if spec.pd is not None and targets.pd_mode:
                 env.setdefault("KVROUTER_PD__MODE", targets.pd_mode)
-            router = fleet.start_kvrouter(targets.router_config, env, epp=epp, processes=n)
+            # (no events, faults: kvrouter's alone; refused with --pd, whose specs carry roles)
+            specs = relayed_specs(fleet)[0] if spec.no_events or spec.faults.label() else None
+            router = fleet.start_kvrouter(
+                targets.router_config, env, epp=epp, processes=n, specs=specs
+            )
             if epp:  # the client calls Envoy, which asks the router's EPP
                 router = fleet.start_gateway(targets.envoy_bin, head_only=policy == EPP_HEAD_POLICY)
         elif policy == "sglang":
@@ -159,18 +168,13 @@ def run_policy(
             router = fleet.start_smg(targets.smg_python)
         else:
             client = ClientPolicy(policy, fleet.engine_urls, seed)
+        if requests:  # (virtual time's moment: the middle of the slice's arrivals)
+            fleet.schedule_restart((requests[-1].arrival_s - requests[0].arrival_s) / 2 / speedup)
         cpu0, gw0 = fleet.router_cpu(), fleet.gateway_cpu()
         start = time.perf_counter()
+        base = router or fleet.engine_urls[0]
         outcomes = asyncio.run(
-            _drive(
-                requests,
-                speedup,
-                router or fleet.engine_urls[0],
-                router,
-                client,
-                max_inflight,
-                on_done,
-            )
+            _drive(requests, speedup, base, router, client, max_inflight, on_done)
         )
         wall = time.perf_counter() - start
         cpu1, gw1 = fleet.router_cpu(), fleet.gateway_cpu()
@@ -179,8 +183,12 @@ def run_policy(
         label = policy if policy != "kvrouter" or n == 1 else f"kvrouter ({n} processes)"
         if targets.fleet.pd is not None:  # named as the virtual sweep names its rows
             label = pd_label(policy, targets.fleet.pd, spec.workers, targets)
+        ours = policy.startswith("kvrouter")
+        label += row_suffix(spec.faults, spec.no_events if ours else 0, spec.workers, ours)
         counters = fleet.counters()
         extra = pd_columns(counters) if spec.pd is not None else {}
+        if ours and targets.fleet.faults.label():
+            extra["turned"] = fleet.loop_turns()
         return PolicyRun(label, outcomes, wall, cpu, counters, gateway_cpu_s=gw, extra=extra)
 
 
@@ -333,10 +341,19 @@ def targets_from_args(
         raise ValueError(f"--router-processes must be at least 1, got {args.router_processes}")
     if args.router_processes > 1 and external:
         raise ValueError("--router-processes starts the fleet's own router: not with --*-url")
+    # (a parser with the live options alone, as the unit tests build, has no fault options)
+    faults = faults_of(args) if "fault_drop" in vars(args) else Faults()
+    no_events = getattr(args, "no_events", 0)
+    if external and (faults.label() or no_events):
+        raise ValueError("--no-events and --fault-* need a fleet of our own (no --*-url)")
+    if not 0 <= no_events <= workers:
+        raise ValueError(f"--no-events must be in [0, {workers}], got {no_events}")
     fleet = None
     pd = getattr(args, "pd", None)
     if pd and external:
         raise ValueError("--pd starts a prefill/decode fleet of our own: not with --*-url")
+    if pd and (faults.label() or no_events):
+        raise ValueError("--no-events and --fault-* run on an aggregated fleet: not with --pd")
     if not external:
         from kvrouter.replay.pd_sweep import parse_ratio
 
@@ -348,6 +365,9 @@ def targets_from_args(
             cpu_blocks=args.cpu_blocks,
             speedup=speedup,
             engine_args=tuple(args.engine_arg),
+            no_events=no_events,
+            faults=faults,
+            seed=getattr(args, "seed", 0),
         )
     return LiveTargets(
         fleet=fleet,
