@@ -36,6 +36,7 @@ from kvrouter.replay.trace import (
     load_mooncake,
     pooled_lru_hit,
     prompt_text,
+    scale_rate,
     shared_prefix,
     spread_ties,
 )
@@ -76,6 +77,14 @@ def _parser() -> argparse.ArgumentParser:
         metavar="W",
         help="requests sharing a timestamp arrive evenly over the next W ms instead of at once "
         "(default 0: as the trace says; conversation's timestamps come in 3,000 ms steps)",
+    )
+    a(
+        "--rate-scale",
+        type=float,
+        default=1.0,
+        metavar="F",
+        help="arrivals F times as fast (timestamp / F), the engines as they are: a heavier load "
+        "(default 1: the trace's own rate)",
     )
     a("--policies", help=f"comma-separated (virtual: {VIRTUAL_DEFAULT}; live: {LIVE_DEFAULT})")
     a("--config", help="router YAML whose scoring policy kvrouter uses")
@@ -170,13 +179,14 @@ def _workload(args: argparse.Namespace) -> list[TraceRequest]:
     if args.workload == "shared-prefix":
         fields = {k: getattr(args, k) for k in vars(SharedPrefixSpec()) if k != "seed"}
         reqs = shared_prefix(SharedPrefixSpec(**fields, seed=args.seed), args.trace_block)
-        return reqs[args.start : None if args.count is None else args.start + args.count]
+        reqs = reqs[args.start : None if args.count is None else args.start + args.count]
+        return scale_rate(reqs, args.rate_scale)
     if not args.trace:
         raise TraceError("give --trace FILE (or --workload shared-prefix)")
     if args.arrival_spread_ms < 0:
         raise TraceError(f"--arrival-spread-ms must not be negative, got {args.arrival_spread_ms}")
     reqs = load_mooncake(args.trace, args.start, args.count)
-    return spread_ties(reqs, args.arrival_spread_ms / 1000)
+    return scale_rate(spread_ties(reqs, args.arrival_spread_ms / 1000), args.rate_scale)
 
 
 def _sim_options(items: Sequence[str]) -> dict[str, float]:
@@ -232,8 +242,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     pooled = pooled_lru_hit(reqs, args.trace_block, capacity)
     table = [row(r, ideal, pooled, slo) for r in runs]
     where = Path(args.trace).name if args.workload == "trace" else "shared-prefix"
+    rate = f" at {args.rate_scale:g}x its rate" if args.rate_scale != 1 else ""
     caption = (
-        f"{args.mode}: {where} [{args.start},{args.start + len(reqs)}) {len(reqs)} requests, "
+        f"{args.mode}: {where} [{args.start},{args.start + len(reqs)}) {len(reqs)} requests{rate}, "
         f"{args.workers} workers x {args.gpu_blocks * args.block_size:,} tokens"
     )
     title = (
@@ -246,10 +257,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     for policy, kinds in errors.items():
         for message, n in kinds.items():
             print(f"  {policy}: {n} x {message}")
+    by_objective: dict[str, Any] = {}
     if pd:
-        from kvrouter.replay.pd_sweep import recommend
+        from kvrouter.replay.pd_sweep import other_objectives, recommend
 
         print(recommend(table))
+        lines, by_objective = other_objectives(
+            args, lambda s: [row(r, ideal, pooled, s) for r in runs]
+        )
+        for line in lines:
+            print(line)
     if args.json:
         meta: dict[str, Any] = {
             "args": vars(args),
@@ -257,6 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "pooled_lru": pooled,
             "requests": len(reqs),
             "errors": errors,
+            **({"goodput_by_objective": by_objective} if by_objective else {}),
         }
         if args.mode == "virtual":
             meta["wall_s"] = {r.policy: round(r.wall_s, 1) for r in runs}

@@ -9,24 +9,37 @@
 
 Each mode is the router's ``pd.mode`` (:mod:`router.settings.pd`) over the ``--config`` settings;
 the decision itself is the placement core's (:mod:`kvrouter.replay.pd_policy`).
-:func:`recommend` names the row to run: the most goodput, then the lower TTFT p99.
+:func:`recommend` names the row to run for the trace (:func:`best_row`: the most goodput, then
+the lower TTFT p99), a P:D ratio and mode or aggregated, beside the rows it had to beat.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
 import msgspec
 
 from kvrouter.replay.report import Progress
+from kvrouter.replay.slo import Slo
 from kvrouter.replay.trace import TraceRequest
 from kvrouter.replay.virtual import VirtualFleet, VirtualRun, run_virtual
 from router.settings import PD_MODES, Settings
 
-__all__ = ["add_pd_arguments", "parse_ratio", "pd_modes", "pd_specs", "recommend", "run_pd"]
+__all__ = [
+    "add_pd_arguments",
+    "best_row",
+    "other_objectives",
+    "parse_ratio",
+    "pd_modes",
+    "pd_specs",
+    "ratio_mode_of",
+    "recommend",
+    "run_pd",
+]
 
 
 def add_pd_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,6 +63,12 @@ def add_pd_arguments(p: argparse.ArgumentParser) -> None:
         help="aggregated, then P:D ratios of --workers engines in each --pd-mode; names the best",
     )
     g("--pd-ratios", metavar="P:D,...", help="the sweep's ratios (default: every one)")
+    g(
+        "--pd-tpot-ms",
+        metavar="MS,...",
+        help="also name the row to run under each of these TPOT objectives (the same runs, "
+        "TTFT's as --slo-ttft-ms), e.g. 25 for an interactive stream",
+    )
 
 
 def parse_ratio(text: str) -> tuple[int, int]:
@@ -83,6 +102,7 @@ def pd_specs(
     """The runs ``--pd`` or ``--pd-sweep`` ask for, each a fleet and the router's settings."""
     if args.pd and args.pd_sweep:
         raise ValueError("give --pd P:D or --pd-sweep, not both")
+    _tpots(args)  # (a bad objective refused now, not after the runs)
     if args.pd:
         p, d = parse_ratio(args.pd)
         pd_fleet = replace(fleet, workers=p + d, prefill=p)
@@ -101,17 +121,84 @@ def pd_specs(
     return out
 
 
-def recommend(table: Sequence[dict[str, Any]]) -> str:
-    """One line naming the row to run: the most goodput, ties to the lower TTFT p99."""
+#: a PD row's label, as :mod:`kvrouter.replay.virtual` writes it: "kvrouter 2:6 threshold"
+_PD_LABEL = re.compile(r"(\d+):(\d+) (\w+)$")
+
+
+def ratio_mode_of(policy: str) -> tuple[str, str] | None:
+    """A PD row's ratio and mode (``"kvrouter 2:6 cost"`` -> ("2:6", "cost")); None: aggregated."""
+    m = _PD_LABEL.search(policy)
+    return None if m is None else (f"{m[1]}:{m[2]}", m[3])
+
+
+def best_row(table: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """The row to run: the most goodput, ties to the lower TTFT p99; None when none served."""
     rows = [r for r in table if r.get("goodput_rps") is not None]
     if not rows:
+        return None
+    return max(rows, key=lambda r: (r["goodput_rps"], -(r.get("ttft_p99_ms") or 0)))
+
+
+def recommend(table: Sequence[dict[str, Any]]) -> str:
+    """One line naming what to run for the trace, a P:D ratio and mode or no PD at all, with its
+    goodput beside what it beat: aggregated and, for a PD row, always-PD at the same ratio (the
+    two a conditional decision must not lose to)."""
+    best = best_row(table)
+    if best is None:
         return "no row served a request: nothing to recommend"
-    best = max(rows, key=lambda r: (r["goodput_rps"], -(r.get("ttft_p99_ms") or 0)))
-    agg = next((r for r in rows if "remote_%" not in r), None)
-    line = f"run: {best['policy']} (goodput {best['goodput_rps']} req/s"
-    if agg is not None and agg is not best:
-        line += f"; aggregated {agg['policy']}: {agg['goodput_rps']} req/s"
-    return line + ")"
+    ours = ratio_mode_of(str(best["policy"]))
+    agg = next((r for r in table if ratio_mode_of(str(r["policy"])) is None), None)
+    pd_rows = [r for r in table if ratio_mode_of(str(r["policy"])) is not None]
+    gp = f"goodput {best['goodput_rps']} req/s"
+    if ours is None:
+        line = f"run aggregated ({best['policy']}, no PD) for this trace: {gp}"
+        runner_up = best_row(pd_rows)
+        if runner_up is not None:
+            line += f" vs the best PD row, {_name(runner_up)}: {runner_up['goodput_rps']}"
+        return line
+    line = f"run {ours[0]} {ours[1]} for this trace: {gp}"
+    vs = [f"{agg['policy']}: {agg['goodput_rps']}"] if agg is not None else []
+    always = next(
+        (r for r in pd_rows if ratio_mode_of(str(r["policy"])) == (ours[0], "always")), None
+    )
+    if always is not None and always is not best:
+        vs.append(f"{ours[0]} always: {always['goodput_rps']}")
+    return line + (f" vs {', '.join(vs)}" if vs else "")
+
+
+def other_objectives(
+    args: argparse.Namespace, rows_at: Callable[[Slo], list[dict[str, Any]]]
+) -> tuple[list[str], dict[str, list[dict[str, Any]]]]:
+    """Per ``--pd-tpot-ms`` objective, from the runs as they are (``rows_at``: the table under
+    an objective): the recommendation's lines (each row's goodput and share, then what to run)
+    and, for the JSON, each row's goodput by objective."""
+    lines: list[str] = []
+    by: dict[str, list[dict[str, Any]]] = {}
+    for ms in _tpots(args):
+        key = f"ttft<={args.slo_ttft_ms:g}ms,tpot<={ms:g}ms"
+        table = rows_at(Slo(args.slo_ttft_ms / 1000, ms / 1000))
+        by[key] = [{k: r[k] for k in ("policy", "goodput_rps", "slo_%")} for r in table]
+        cells = ", ".join(f"{_name(r)} {r['goodput_rps']} ({r['slo_%']} %)" for r in table)
+        lines += [f"goodput with {key}: {cells}", f"  {key}: {recommend(table)}"]
+    return lines, by
+
+
+def _tpots(args: argparse.Namespace) -> list[float]:
+    out = []
+    for text in (getattr(args, "pd_tpot_ms", None) or "").split(","):
+        try:
+            ms = float(text)
+        except ValueError:
+            ms = 0.0
+        if text.strip() and not ms > 0:
+            raise ValueError(f"--pd-tpot-ms: {text!r} is no positive number of milliseconds")
+        out += [ms] if text.strip() else []
+    return out
+
+
+def _name(r: dict[str, Any]) -> str:
+    label = ratio_mode_of(str(r["policy"]))
+    return str(r["policy"]) if label is None else " ".join(label)
 
 
 def run_pd(

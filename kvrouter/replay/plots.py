@@ -15,7 +15,6 @@ matplotlib is the ``replay`` extra's (``pip install -e '.[replay]'``), imported 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -166,8 +165,6 @@ def plot(
     return paths
 
 
-#: a PD row's label, as kvrouter.replay.virtual writes it: "kvrouter 2:6 threshold"
-_PD_LABEL = re.compile(r"(\d+):(\d+) (\w+)$")
 _PANELS = (("goodput_rps", "goodput (req/s)"), ("ttft_p99_ms", "TTFT p99 (ms)"),
            ("tpot_p99_ms", "TPOT p99 (ms)"))  # fmt: skip
 
@@ -175,17 +172,18 @@ _PANELS = (("goodput_rps", "goodput (req/s)"), ("ttft_p99_ms", "TTFT p99 (ms)"),
 def pd_sweep_figure(table: Sequence[dict[str, Any]], caption: str) -> Figure:
     from matplotlib.figure import Figure
 
-    from kvrouter.replay.pd_sweep import recommend
+    from kvrouter.replay.pd_sweep import best_row, ratio_mode_of, recommend
 
     lines: dict[str, list[tuple[int, str, dict[str, Any]]]] = {}
     baseline = None
     for r in table:
-        m = _PD_LABEL.search(str(r["policy"]))
-        if m is None:
+        label = ratio_mode_of(str(r["policy"]))
+        if label is None:
             baseline = r
         else:
-            lines.setdefault(m[3], []).append((int(m[1]), f"{m[1]}:{m[2]}", r))
-    best = recommend(table)
+            ratio, mode = label
+            lines.setdefault(mode, []).append((int(ratio.split(":")[0]), ratio, r))
+    best, chosen = recommend(table), best_row(table)
     fig = Figure(figsize=(14, 4.2))
     axes = fig.subplots(1, len(_PANELS))
     for ax, (key, name) in zip(axes, _PANELS):
@@ -196,17 +194,19 @@ def pd_sweep_figure(table: Sequence[dict[str, Any]], caption: str) -> Figure:
             ax.plot(xs, ys, marker="o", color=_OTHERS[k % len(_OTHERS)], label=mode,
                     linestyle=_STYLES[k % len(_STYLES)])  # fmt: skip
             for x, (_, _, r) in zip(xs, pts):
-                if f"run: {r['policy']} " in best:
+                if r is chosen:
                     ax.plot([x], [r.get(key) or 0], marker="*", markersize=16,
                             color=KVROUTER_COLOR, zorder=5)  # fmt: skip
             ax.set_xticks(xs, [lab for _, lab, _ in pts])
         if baseline is not None and baseline.get(key) is not None:
-            ax.axhline(baseline[key], linestyle="--", color="black", label=str(baseline["policy"]))
+            run = " (recommended)" if baseline is chosen else ""  # (no star on a dashed line)
+            base_label = f"{baseline['policy']}{run}"
+            ax.axhline(baseline[key], linestyle="--", color="black", label=base_label)
         ax.set_xlabel("prefill : decode engines")
         ax.set_title(name, fontsize=10)
         ax.grid(True, alpha=0.3)
     axes[0].legend(fontsize=8, frameon=False)
-    fig.suptitle(f"PD sweep ({best}; star: the recommended row)\n{caption}", fontsize=10)
+    fig.suptitle(f"PD sweep: {best} (star)\n{caption}", fontsize=10)
     fig.tight_layout()
     return fig
 

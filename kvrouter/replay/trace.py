@@ -38,6 +38,7 @@ __all__ = [
     "pooled_lru_hit",
     "prompt_text",
     "prompt_tokens",
+    "scale_rate",
     "shared_prefix",
     "spread_ties",
 ]
@@ -102,6 +103,20 @@ def spread_ties(requests: Sequence[TraceRequest], window_s: float) -> list[Trace
             out[i] = TraceRequest(t + k * window_s / m, r.hash_ids, r.input_length, r.output_length)
     out.sort(key=lambda r: r.arrival_s)  # stable: equal arrivals keep the trace's order
     return out
+
+
+def scale_rate(requests: Sequence[TraceRequest], factor: float) -> list[TraceRequest]:
+    """The requests arriving ``factor`` times as fast (each arrival / ``factor``), prompts and
+    answers unchanged: the same traffic as a heavier load on the same engines (unlike live's
+    ``--speedup``, which also speeds the engines up and so keeps the load)."""
+    if factor <= 0:
+        raise TraceError(f"--rate-scale must be positive, got {factor}")
+    if factor == 1:
+        return list(requests)
+    return [
+        TraceRequest(r.arrival_s / factor, r.hash_ids, r.input_length, r.output_length)
+        for r in requests
+    ]
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import pytest
 
 from engine.runner.sim import SIM_DEFAULTS
 from kvrouter.replay.cli import main
+from kvrouter.replay.pd_sweep import best_row, ratio_mode_of, recommend
 from kvrouter.replay.slo import tpot_s
 from kvrouter.replay.trace import TraceRequest
 from kvrouter.replay.virtual import VirtualFleet, VirtualRun, run_virtual
@@ -115,9 +116,10 @@ def test_the_cli_sweeps_ratios_beside_aggregated_and_names_a_row(
     out = tmp_path / "pd.json"
     base = ["--trace", str(trace), "--trace-block", str(TB), "--workers", "3", "--gpu-blocks",
             "2048", "--pd-sweep", "--no-progress"]  # fmt: skip
-    argv = [*base, "--pd-mode", "always,never", "--json", str(out)]
+    argv = [*base, "--pd-mode", "always,never", "--json", str(out), "--pd-tpot-ms", "1e6,1e-6"]
     assert main(argv) == 0
-    table = json.loads(out.read_text())["table"]
+    written = json.loads(out.read_text())
+    table = written["table"]
     assert [r["policy"] for r in table] == [
         "kvrouter 3 aggregated",
         "kvrouter 1:2 always",
@@ -128,11 +130,60 @@ def test_the_cli_sweeps_ratios_beside_aggregated_and_names_a_row(
     assert all(r["ok"] == 12 for r in table)
     assert [r.get("remote_%") for r in table] == [None, 100.0, 100.0, 0.0, 0.0]
     best = max(table, key=lambda r: (r["goodput_rps"], -r["ttft_p99_ms"]))
-    assert f"run: {best['policy']} (goodput" in capsys.readouterr().out
-    # a ratio that is not the fleet's size, a bad mode, a live sweep, a live PD fleet on
-    # servers already running: refused before any run
+    printed = capsys.readouterr().out
+    if best["policy"] == "kvrouter 3 aggregated":
+        assert "run aggregated (kvrouter 3 aggregated, no PD) for this trace" in printed
+    else:
+        ratio, mode = best["policy"].split()[1:]
+        assert f"run {ratio} {mode} for this trace: goodput {best['goodput_rps']}" in printed
+    # the same runs under two more TPOT objectives: one every answer meets, one none does
+    by = written["goodput_by_objective"]
+    assert list(by) == ["ttft<=2000ms,tpot<=1e+06ms", "ttft<=2000ms,tpot<=1e-06ms"]
+    loose, tight = by.values()
+    assert [r["policy"] for r in loose] == [r["policy"] for r in table]
+    assert all(r["slo_%"] >= t["slo_%"] for r, t in zip(loose, table))
+    assert all(r["goodput_rps"] == 0 for r in tight)  # (every answer has a TPOT: 8 tokens)
+    assert printed.count("for this trace") == 3  # the default objectives' line, then one each
+    # a ratio that is not the fleet's size, a bad mode or objective, live mode: refused first
+    assert main([*base, "--pd-tpot-ms", "25,fast"]) == 2
     assert main([*base, "--pd-ratios", "1:3"]) == 2
     assert main([*base, "--pd-mode", "sometimes"]) == 2
+    # a live sweep, a live PD fleet on servers already running
     assert main(["--mode", "live", "--trace", str(trace), "--pd-sweep"]) == 2
     live_pd = ["--mode", "live", "--trace", str(trace), "--pd", "1:2"]
     assert main([*live_pd, "--worker-url", "http://127.0.0.1:9"]) == 2
+
+
+def _row(policy: str, goodput: float, p99: float = 1000.0) -> dict[str, object]:
+    return {"policy": policy, "goodput_rps": goodput, "ttft_p99_ms": p99}
+
+
+def test_the_sweep_names_a_ratio_and_mode_beside_what_it_had_to_beat() -> None:
+    table = [
+        _row("kvrouter 8 aggregated", 2.80),
+        _row("kvrouter 2:6 always", 1.94),
+        _row("kvrouter 4:4 always", 2.79),
+        _row("kvrouter 2:6 cost", 2.81, p99=3900),
+        _row("kvrouter 4:4 cost", 2.81, p99=3800),  # the same goodput, the lower p99: this one
+    ]
+    assert recommend(table) == (
+        "run 4:4 cost for this trace: goodput 2.81 req/s vs kvrouter 8 aggregated: 2.8, "
+        "4:4 always: 2.79"
+    )
+    assert best_row(table) is table[4]
+    assert (
+        ratio_mode_of("kvrouter 4:4 cost") == ("4:4", "cost")
+        and ratio_mode_of("kvrouter 8 aggregated") is None
+    )
+
+
+def test_the_sweep_says_when_to_run_no_pd_at_all() -> None:
+    table = [_row("kvrouter 8 aggregated", 3.49), _row("kvrouter 4:4 cost", 3.48),
+             _row("kvrouter 2:6 always", 3.10)]  # fmt: skip
+    assert recommend(table) == (
+        "run aggregated (kvrouter 8 aggregated, no PD) for this trace: goodput 3.49 req/s "
+        "vs the best PD row, 4:4 cost: 3.48"
+    )
+    assert recommend([{"policy": "kvrouter 8 aggregated", "goodput_rps": None}]).startswith(
+        "no row"
+    )

@@ -17,7 +17,7 @@ import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 from kvrouter.replay.cli import VIRTUAL_DEFAULT, main
-from kvrouter.replay.plots import KVROUTER_COLOR, hit_rate_figure, ttft_figure
+from kvrouter.replay.plots import KVROUTER_COLOR, hit_rate_figure, pd_sweep_figure, ttft_figure
 from kvrouter.replay.report import row
 from kvrouter.replay.trace import SharedPrefixSpec, TraceRequest, ideal_hit, pooled_lru_hit
 from kvrouter.replay.trace import shared_prefix as make_shared_prefix
@@ -93,6 +93,28 @@ def test_the_ttft_cdf_marks_p50_and_p99_and_sets_kvrouter_apart(replay) -> None:
     widest = max(curves.values(), key=lambda line: line.get_linewidth())
     assert widest is curves["kvrouter"]
     assert not _overlap(ax.get_legend().get_window_extent(), ax.get_window_extent())
+
+
+def _sweep_row(policy: str, goodput: float) -> dict[str, Any]:
+    return {"policy": policy, "goodput_rps": goodput, "ttft_p99_ms": 3000, "tpot_p99_ms": 20}
+
+
+@pytest.mark.parametrize("agg", [2.80, 2.90])
+def test_the_pd_sweep_png_names_the_ratio_to_run_and_stars_it(agg: float) -> None:
+    table = [_sweep_row("kvrouter 8 aggregated", agg), _sweep_row("kvrouter 2:6 cost", 2.81),
+             _sweep_row("kvrouter 4:4 cost", 2.85), _sweep_row("kvrouter 4:4 always", 2.79)]  # fmt: skip
+    fig = pd_sweep_figure(table, CAPTION)
+    title = fig._suptitle.get_text()
+    assert CAPTION in title
+    stars = [line for line in fig.axes[0].get_lines() if line.get_marker() == "*"]
+    labels = {line.get_label() for line in fig.axes[0].get_lines()}
+    if agg < 2.85:  # a PD row wins: the title names its ratio and mode, its point is starred
+        assert title.startswith("PD sweep: run 4:4 cost for this trace: goodput 2.85 req/s")
+        assert [(s.get_xdata()[0], s.get_ydata()[0]) for s in stars] == [(4, 2.85)]
+        assert {"kvrouter 8 aggregated", "cost", "always"} <= labels
+    else:  # aggregated wins: said in the title and on its dashed line; no star
+        assert title.startswith("PD sweep: run aggregated (kvrouter 8 aggregated, no PD)")
+        assert stars == [] and "kvrouter 8 aggregated (recommended)" in labels
 
 
 def test_the_cli_writes_both_pngs(tmp_path: Path, capsys) -> None:

@@ -213,3 +213,17 @@ def test_requests_sharing_a_timestamp_can_be_spread_over_the_trace_s_step() -> N
         (4.5, 4),
     ]
     assert spread_ties(reqs, 0.0) == reqs
+
+
+def test_a_rate_scale_brings_arrivals_closer_and_keeps_the_requests() -> None:
+    from kvrouter.replay.trace import TraceError, TraceRequest, scale_rate
+
+    reqs = [TraceRequest(t, (i,), 64 + i, 2) for i, t in enumerate((0.0, 3.0, 3.0, 7.5))]
+    out = scale_rate(reqs, 3.0)
+    assert [r.arrival_s for r in out] == [0.0, 1.0, 1.0, 2.5]
+    assert [(r.hash_ids, r.input_length, r.output_length) for r in out] == [
+        (r.hash_ids, r.input_length, r.output_length) for r in reqs
+    ]
+    assert scale_rate(reqs, 1.0) == reqs
+    with pytest.raises(TraceError, match="--rate-scale must be positive"):
+        scale_rate(reqs, 0.0)
