@@ -227,11 +227,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_block_sizes(args.trace_block, args.block_size, reqs)
         policies = args.policies or (VIRTUAL_DEFAULT if args.mode == "virtual" else LIVE_DEFAULT)
         names = [p for p in policies.split(",") if p]
-        runs = (
-            _run_virtual(args, reqs, names)
-            if args.mode == "virtual"
-            else _run_live(args, reqs, names)
-        )
+        run = _run_virtual if args.mode == "virtual" else _run_live
+        runs = run(args, reqs, names)
     except (TraceError, ValueError, ConfigError) as e:
         print(f"kvrouter replay: {e}", file=sys.stderr)
         return 2
