@@ -54,7 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--block-size", type=int, default=16)
     a("--gpu-blocks", type=int, default=2048)
     a("--cpu-blocks", type=int, default=0, help="CPU_PINNED tier size in blocks")
-    a("--staging-blocks", type=int, default=64, help="host slots for DISK/EXTERNAL copies")
+    a(
+        "--staging-blocks",
+        type=int,
+        help="host slots for DISK/EXTERNAL copies and pulled KV (default: 64; a decode engine's: "
+        "--gpu-blocks, so a pulled prompt that fits the GPU is loaded whole)",
+    )
     a("--disk-dir", help="DISK tier directory (emptied at start)")
     a("--disk-blocks", type=int, default=8192)
     a("--external", help="EXTERNAL tier on Redis: redis://HOST:PORT/DB")
@@ -125,6 +130,16 @@ def _endpoint(value: str | None) -> str | None:
     return None if value is None or value.lower() in ("", "none", "off") else value
 
 
+def _staging_blocks(args: argparse.Namespace) -> int:
+    """A decode leg loads pulled blocks through staging slots and computes whatever does not fit
+    (engine.scheduler): 64 slots held 1,024 tokens, so a decode engine re-prefilled most of every
+    longer prompt, and those prefills slowed each decoding sequence's steps (issue 35: live PD
+    TPOT twice the sim model's, which has no such cap)."""
+    if args.staging_blocks is not None:
+        return int(args.staging_blocks)
+    return max(64, args.gpu_blocks) if args.role == "decode" else 64
+
+
 def parse_args(argv: Sequence[str]) -> tuple[ServerSettings, argparse.Namespace]:
     args, extra = build_parser().parse_known_args(list(argv))
     options = _runner_options(extra)
@@ -139,7 +154,7 @@ def parse_args(argv: Sequence[str]) -> tuple[ServerSettings, argparse.Namespace]
         block_size=args.block_size,
         num_gpu_blocks=args.gpu_blocks,
         num_cpu_blocks=args.cpu_blocks,
-        num_staging_slots=args.staging_blocks,
+        num_staging_slots=_staging_blocks(args),
         disk_dir=args.disk_dir,
         num_disk_blocks=args.disk_blocks,
         external_url=args.external,

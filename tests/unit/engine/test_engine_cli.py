@@ -46,6 +46,18 @@ def test_flags_and_runner_options() -> None:
     assert e.model_len == 64 * 16
 
 
+def test_decode_engine_stages_a_whole_pulled_prompt() -> None:
+    """Issue 35: 64 staging slots cut a decode leg's pulled KV at 1,024 tokens and the decode
+    engine re-prefilled the rest, doubling live PD TPOT; a decode engine's default fits the GPU."""
+    slots = {
+        role: parse_args(["--role", role, "--gpu-blocks", "4096"])[0].engine.num_staging_slots
+        for role in ("decode", "prefill", "both")
+    }
+    assert slots == {"decode": 4096, "prefill": 64, "both": 64}
+    explicit = parse_args(["--role", "decode", "--staging-blocks", "8"])[0].engine
+    assert explicit.num_staging_slots == 8
+
+
 def test_invalid_flags_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert engine_main(["--gpu-blocks", "0"]) == 2
     assert "--gpu-blocks must be positive" in capsys.readouterr().err
