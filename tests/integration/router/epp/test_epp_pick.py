@@ -1,6 +1,7 @@
 """The endpoint picker's picks, end to end: a real router (uvicorn, fake workers publishing KV
 events over ZMQ) with its EPP on port 0, and a real gRPC client doing Envoy's part — the request
-phase, then the request forwarded to the endpoint picked and its answer streamed back."""
+phase, then the request forwarded to the endpoint picked and its answer streamed back; and a
+mixed fleet (one worker with events, one without: issue 36) picked through it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import random
 from envoy.service.ext_proc.v3.external_processor_pb2 import HttpTrailers, ProcessingRequest
 from epp_envoy import headers_request, metric
 from router_fakeworker import wait_for
+from test_router_approximate import BS, no_events, text
 
 from router.edge.epp.messages import endpoint_of
 
@@ -187,3 +189,59 @@ async def test_a_data_parallel_worker_gets_the_rank_header(workers, epp, http):
         assert "x-data-parallel-rank" not in p.removed
     assert ranks == {"0", "1"}
     assert r.state.placer.inflight == 2
+
+
+def answered(echoes) -> dict[str, str]:
+    """The answer head's headers the picker set (on the first echo of the response phase)."""
+    head = echoes[0].response_headers.response.header_mutation.set_headers
+    return {h.header.key: h.header.raw_value.decode() for h in head}
+
+
+async def test_a_mixed_fleet_is_picked_on_each_workers_own_source(workers, epp, http):
+    ev, ap = await workers("ev", publish_on_request=False), await workers("ap")
+    r, envoy = await epp(workers=[ev.spec(), no_events(ap)])
+    ends = {endpoint_of(ev.url): "ev", endpoint_of(ap.url): "ap"}
+    held = text("e", 4)
+    ev.store(list(held.encode()))  # the evented worker announces a prefix by its real events
+    await wait_for(lambda: r.matched(list(held.encode()), "ev") == 4, 5, "the stored event")
+    body = completion(held + "|x")
+    p = await envoy.pick("/v1/completions", body)
+    assert ends[p.endpoint] == "ev"
+    await p.forward(http, "/v1/completions", body, JSON)
+    # a new prefix the picker placed on the worker without events enters its tree: the pick
+    # is a placement like the proxy's (Placer.commit -> sent -> the subscriber applies it)
+    sent = None
+    for i in range(16):
+        prompt = text(chr(ord("a") + i), 4)
+        body = completion(prompt)
+        p = await envoy.pick("/v1/completions", body)
+        await p.forward(http, "/v1/completions", body, JSON)
+        if ends[p.endpoint] == "ap":
+            sent = prompt
+            break
+    assert sent is not None, "no new prefix was placed on the worker without events"
+    await wait_for(lambda: r.matched(list(sent.encode()), "ap") == 4, 5, "the sent blocks")
+    cands = {
+        c["worker_id"]: c
+        for c in (await http.post(r.url + "/route", json={"prompt": sent + "|r"})).json()[
+            "candidates"
+        ]
+    }
+    assert (cands["ev"]["source"], cands["ap"]["source"]) == ("events", "approximate")
+    assert (cands["ap"]["matched_by_tier"]["GPU"], cands["ev"]["matched_blocks"]) == (4, 0)
+    listed = (await http.get(r.url + "/workers")).json()["workers"]
+    assert {w["id"]: w["source"] for w in listed} == {"ev": "events", "ap": "approximate"}
+    # a second pick of the prefix goes to its holder on it, and the worker's cache agrees
+    body = completion(sent + "|y")
+    p = await envoy.pick("/v1/completions", body)
+    assert ends[p.endpoint] == "ap"
+    status, answer, echoes = await p.forward(http, "/v1/completions", body, JSON)
+    assert status == 200 and answered(echoes)["x-kvrouter-matched-blocks"] == "4"
+    assert json.loads(answer)["usage"]["prompt_tokens_details"]["cached_tokens"] == 4 * BS
+    # and the evented worker is still scored from its events
+    body = completion(held + "|z")
+    p = await envoy.pick("/v1/completions", body)
+    assert ends[p.endpoint] == "ev"
+    status, answer, echoes = await p.forward(http, "/v1/completions", body, JSON)
+    assert status == 200 and answered(echoes)["x-kvrouter-matched-blocks"] == "4"
+    await idle(r, "ev", "ap")
