@@ -142,7 +142,10 @@ def best_row(table: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
 def recommend(table: Sequence[dict[str, Any]]) -> str:
     """One line naming what to run for the trace, a P:D ratio and mode or no PD at all, with its
     goodput beside what it beat: aggregated and, for a PD row, always-PD at the same ratio (the
-    two a conditional decision must not lose to)."""
+    two a conditional decision must not lose to). Only kvrouter's own rows are candidates: a live
+    run's peers (``vllm-router 4:4 kv_aware``, ``smg 4:4``) stand beside them, and a peer's label
+    would read as a PD row or as aggregated."""
+    table = [r for r in table if str(r["policy"]).startswith("kvrouter ")]
     best = best_row(table)
     if best is None:
         return "no row served a request: nothing to recommend"

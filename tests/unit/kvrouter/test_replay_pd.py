@@ -171,6 +171,9 @@ def test_the_sweep_names_a_ratio_and_mode_beside_what_it_had_to_beat() -> None:
         "4:4 always: 2.79"
     )
     assert best_row(table) is table[4]
+    # a live run's peers stand beside: neither a PD row to run nor the aggregated one to beat
+    peers = [_row("smg 4:4", 2.28), _row("vllm-router 4:4 kv_aware", 2.9)]
+    assert recommend([*peers, *table]) == recommend(table)
     assert (
         ratio_mode_of("kvrouter 4:4 cost") == ("4:4", "cost")
         and ratio_mode_of("kvrouter 8 aggregated") is None
