@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -96,12 +97,16 @@ class AgreementLoop:
         self.turned: dict[str, tuple[Verdict, float]] = {}
         #: per worker, how many times it was turned (its next hold doubles)
         self.trips: dict[str, int] = {}
+        #: per worker, the answers reporting cached tokens since it joined (the log says after
+        #: how many of them a worker was named)
+        self.answers: Counter[str] = Counter()
 
     def answered(self, f: Flight) -> None:
         """Flight ``f`` ended (``Flight.done``): judge its answer if it reported cached tokens."""
         if not self.settings.enabled or f.cached is None:
             return
         worker, key = f.worker, f.ticket.key
+        self.answers[worker] += 1
         try:
             rec = self.index.worker(key)
         except KeyError:  # (it left meanwhile)
@@ -167,6 +172,7 @@ class AgreementLoop:
         self.estimator.forget(worker)
         self.turned.pop(worker, None)
         self.trips.pop(worker, None)
+        self.answers.pop(worker, None)
 
     def _keys(self, worker: str) -> list[WorkerKey]:
         return [k for k in self.index.workers() if k[0] == worker]
@@ -178,11 +184,13 @@ class AgreementLoop:
         self.turned[v.worker] = (v, self.clock() + hold)
         log.warning(
             "worker %s: its reported cached tokens disagree with the index (%s in %d of %d "
-            "answers): likely %s; scored from what the router sent it until they agree again",
+            "answers, its answer %d): likely %s; scored from what the router sent it until they "
+            "agree again",
             v.worker,
             v.kind,
             v.disagreeing,
             v.requests,
+            self.answers[v.worker],
             v.likely,
         )
         self.metrics.agreement(v.worker, v.kind, True)

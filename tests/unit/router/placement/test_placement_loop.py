@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from indexer.events import BlockStored
 from indexer.index import PrefixIndex
 from router.fleet.registry import Registry
@@ -94,7 +96,9 @@ def test_a_flight_carries_its_placement_into_the_observation() -> None:
     assert observation(f2) is None
 
 
-def test_a_worker_reporting_nothing_is_turned_approximate_and_back() -> None:
+def test_a_worker_reporting_nothing_is_turned_approximate_and_back(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     placer, _, turns = build()
     loop = placer.loop
     prompts = [list(range(1000 * k, 1000 * k + 6 * BS)) for k in range(1, 40)]
@@ -105,6 +109,9 @@ def test_a_worker_reporting_nothing_is_turned_approximate_and_back() -> None:
         answer(placer, p, 5 * BS, "b")  # b agrees: it reuses what its events said
         answer(placer, p, 0, "a")  # a reuses nothing (prefix caching off, a restart)
     assert turns.calls == [("a", INDEX_AHEAD, True)]
+    # named once, with after how many of its answers (the 8th: min_requests)
+    named = [r.getMessage() for r in caplog.records if "disagree with the index" in r.message]
+    assert len(named) == 1 and "worker a:" in named[0] and "its answer 8)" in named[0]
     assert placer.index.approximate(("a", 0)) and not placer.index.approximate(("b", 0))
     view = loop.verdict("a")
     assert view["scoring"] == "approximate" and view["kind"] == INDEX_AHEAD
