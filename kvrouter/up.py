@@ -34,6 +34,7 @@ from typing import Any, TextIO
 import httpx
 
 from router.errors import ListenError
+from router.settings import PD_MODES, PdSettings
 
 __all__ = [
     "ENGINE_READY",
@@ -136,8 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--pd-mode",
-        choices=("threshold", "cost", "always", "never"),
-        help="the router's pd.mode (default: its own setting, threshold)",
+        choices=PD_MODES,
+        help=f"the router's pd.mode (default: its own setting, {PdSettings().mode})",
     )
     p.add_argument(
         "--runner",

@@ -2,7 +2,7 @@
 ``--pd-sweep`` ask for, and which of them to run.
 
 * ``--pd P:D``: a fleet of P prefill and D decode engines, policy ``kvrouter`` once per mode of
-  ``--pd-mode`` (default ``threshold``, the router's own default);
+  ``--pd-mode`` (default: the router's own ``pd.mode``);
 * ``--pd-sweep``: for the fleet size ``--workers`` N, policy ``kvrouter`` on N aggregated engines,
   then every ratio of ``--pd-ratios`` (default all, 1:N-1 to N-1:1) in every mode of
   ``--pd-mode`` (default ``always,threshold,cost``).
@@ -27,7 +27,7 @@ from kvrouter.replay.report import Progress
 from kvrouter.replay.slo import Slo
 from kvrouter.replay.trace import TraceRequest
 from kvrouter.replay.virtual import VirtualFleet, VirtualRun, run_virtual
-from router.settings import PD_MODES, Settings
+from router.settings import PD_MODES, PdSettings, Settings
 
 __all__ = [
     "add_pd_arguments",
@@ -54,7 +54,8 @@ def add_pd_arguments(p: argparse.ArgumentParser) -> None:
     g(
         "--pd-mode",
         metavar="MODES",
-        help=f"comma-separated, of {', '.join(PD_MODES)} (default: threshold with --pd; "
+        help=f"comma-separated, of {', '.join(PD_MODES)} (default: the router's "
+        f"pd.mode, {PdSettings().mode}, with --pd; "
         "always,threshold,cost with --pd-sweep)",
     )
     g(
@@ -83,7 +84,7 @@ def parse_ratio(text: str) -> tuple[int, int]:
     return ratio
 
 
-def pd_modes(text: str | None, default: str = "threshold") -> list[str]:
+def pd_modes(text: str | None, default: str = PdSettings().mode) -> list[str]:
     """``--pd-mode``'s modes, checked."""
     modes = [m for m in (text or default).split(",") if m]
     bad = [m for m in modes if m not in PD_MODES]
@@ -106,7 +107,7 @@ def pd_specs(
     if args.pd:
         p, d = parse_ratio(args.pd)
         pd_fleet = replace(fleet, workers=p + d, prefill=p)
-        return [(pd_fleet, _with_mode(settings, m)) for m in pd_modes(args.pd_mode, "threshold")]
+        return [(pd_fleet, _with_mode(settings, m)) for m in pd_modes(args.pd_mode)]
     n = fleet.workers
     if n < 2:
         raise ValueError("--pd-sweep needs at least 2 --workers")

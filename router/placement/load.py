@@ -34,11 +34,12 @@ class TicketState(enum.IntEnum):
 
 
 class WorkerLoad:
-    __slots__ = ("active", "inflight_prefill", "prefilling", "requests")
+    __slots__ = ("active", "decoding", "inflight_prefill", "prefilling", "requests")
 
     def __init__(self) -> None:
         self.inflight_prefill = 0.0
         self.requests = 0
+        self.decoding = 0  # of those, past their first token (a prefill here stalls their steps)
         self.active: dict[int, int] = {}  # router hash -> refcount
         self.prefilling: dict[
             int, int
@@ -147,6 +148,7 @@ class LoadLedger:
         ld = self._loads.get(t.key)
         if ld is None:
             return
+        ld.decoding += 1
         ld.inflight_prefill -= t.prefill
         if ld.inflight_prefill < 1e-9:
             ld.inflight_prefill = 0.0
@@ -161,6 +163,7 @@ class LoadLedger:
         if ld is None:
             return
         ld.requests -= 1
+        ld.decoding -= 1
         _dec(ld.active, t.hashes)
         if ld.requests <= 0 and not ld.active:
             del self._loads[t.key]

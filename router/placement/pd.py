@@ -12,7 +12,8 @@ held, whatever it costs to load):
 - ``threshold`` (Dynamo's and llm-d's kind): remote when the decode worker lacks at least
   ``min_remote_tokens`` tokens and at least ``min_remote_ratio`` of the prompt;
 - ``cost``: local = (D's queued prefill + the tokens D lacks + loading what D holds off-GPU)
-  × (1 + ``decode_interference`` while D has requests decoding: a prefill stalls their steps);
+  × (1 + ``decode_interference`` × the requests decoding on D: a prefill stalls each of their
+  steps, so the more D carries, the dearer a prefill there);
   remote = P's queued prefill + the tokens P lacks + P's loads + ``transfer_cost`` × the tokens
   D lacks + ``hop_cost_tokens``; the cheaper wins;
 - ``always`` / ``never``.
@@ -159,7 +160,7 @@ def pick(
     else:
         u = p.uncached_decode
         local = (_queued(dc) * block_size + u + _loads(dc, weights, block_size)) * (
-            1 + pd.decode_interference if dc.active_blocks > dc.shared_active else 1
+            1 + pd.decode_interference * dc.decoding
         )
         remote = (
             _queued(pc) * block_size

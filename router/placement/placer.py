@@ -180,9 +180,9 @@ class Placer:
                 wm = matches.get(key, _NO_MATCH)
                 ld = load_get(key)
                 if ld is None:
-                    prefill, active, shared = 0.0, 0, _NO_SHARED
+                    prefill, active, shared, decoding = 0.0, 0, _NO_SHARED, 0
                 else:
-                    prefill, active = ld.inflight_prefill, ld.active_blocks
+                    prefill, active, decoding = ld.inflight_prefill, ld.active_blocks, ld.decoding
                     shared = load.shared(key, hashes)
                 candidates.append(
                     Candidate(
@@ -198,6 +198,7 @@ class Placer:
                         st.scraped,
                         wh,
                         capacity(key),
+                        decoding,
                     )
                 )
                 cand_hashes.append(hashes)

@@ -23,7 +23,10 @@ PD_PROTOCOLS = ("nixl", "sglang", "shared_storage")
 class PdSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """Prefill/decode disaggregation; inert while no worker has the role ``prefill``."""
 
-    mode: str = "threshold"
+    #: ``cost`` by default: it weighs both sides' queues and the decode batch it would stall, so a
+    #: wrong P:D ratio degrades it gently where ``threshold`` sends nearly every prompt to too
+    #: few prefill engines (docs/replay.md, the PD sweep)
+    mode: str = "cost"
     protocol: str = "nixl"
     #: threshold mode: remote only when the decode worker lacks at least this many prompt tokens
     #: (vllm-router's ``pd_uncached_token_threshold`` is 256) ...
@@ -35,9 +38,12 @@ class PdSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     transfer_cost: float = 0.1
     #: cost mode: the second leg's fixed price (a round trip, a handshake), in prompt tokens
     hop_cost_tokens: int = 64
-    #: cost mode: how much a prefill token on a decode worker with requests decoding costs more
-    #: (it stalls every decoding sequence of the step it lands in)
-    decode_interference: float = 0.5
+    #: cost mode: how much more a prefill token on a decode worker costs per request decoding
+    #: there (it stalls every decoding sequence of the steps it lands in). A stall of t spreads
+    #: over a sequence's output: TTFT objective / (output tokens x TPOT objective) prices it
+    #: against this request's own wait: 2,000 ms / (L x 50 ms) for outputs of L = 150-350 tokens
+    #: is 0.1-0.3
+    decode_interference: float = 0.2
     #: the prefill leg's deadline, under the prefill worker's block lease (vLLM: 30 s)
     prefill_timeout_s: float = 25.0
     #: prefill workers tried after the first fails (5xx or transport) before prefilling on D

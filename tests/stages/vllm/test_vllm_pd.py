@@ -32,13 +32,14 @@ from tiny_model import make_tiny_llama, words
 from vllm_server import BS, PAGE, ROUTER_ENV, Vllm, metric, serve, stop_router
 
 ALWAYS = {**ROUTER_ENV, "KVROUTER_PD__MODE": "always"}
+THRESHOLD = {**ROUTER_ENV, "KVROUTER_PD__MODE": "threshold"}
 
 
 class Pair:
     def __init__(self, p: Vllm, d: Vllm, always: str, threshold: str, model: Path) -> None:
         self.p, self.d = p, d
         self.always = always  # a router with pd.mode always
-        self.threshold = threshold  # one with the default mode (threshold)
+        self.threshold = threshold  # one with pd.mode threshold
         self.model = model
 
 
@@ -55,7 +56,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
         ]  # fmt: skip
         always, a_url = serve(tmp / "router-always.log", workers, ALWAYS)
         try:
-            cond, c_url = serve(tmp / "router-threshold.log", workers, ROUTER_ENV)
+            cond, c_url = serve(tmp / "router-threshold.log", workers, THRESHOLD)
             try:
                 yield Pair(p, d, a_url, c_url, model)
             finally:

@@ -55,13 +55,15 @@ def test_load_accounting_prefill_until_first_token_active_until_finish():
     assert ld.active_blocks == 5 + 2  # distinct blocks {1,2,3,4,9} + one per request
     assert t.shared(key, [1, 2, 3, 7]) == (3, 2)  # 1-3 active; 2 and 3 still being built by x
     assert t.shared(("b", 0), [1]) == (0, 0)
+    assert ld.decoding == 0
     t.first_token(x)
     t.first_token(x)  # idempotent
-    assert ld.inflight_prefill == 1.0
+    assert ld.inflight_prefill == 1.0 and ld.decoding == 1
     assert t.shared(key, [1, 2, 3]) == (3, 0)
     t.finish(x)
-    assert ld.active_blocks == 3 + 1 and t.inflight("a") == 1
-    t.finish(y)
+    assert ld.active_blocks == 3 + 1 and t.inflight("a") == 1 and ld.decoding == 0
+    t.finish(y)  # finished before any first token (an error): it decoded, then ended
+    assert ld.decoding == 0
     t.finish(y)
     assert t.get(key) is None
 

@@ -85,7 +85,7 @@ def test_no_decode_worker_is_one_typed_error() -> None:
 )
 def test_threshold_counts_what_the_decode_worker_lacks(held: int, mode: str) -> None:
     # 640 tokens; remote when D lacks >= 256 tokens and >= 30 % of them
-    placer, m = build({"p": "prefill", "d": "decode"})
+    placer, m = build({"p": "prefill", "d": "decode"}, mode="threshold")
     if held:
         store(placer, "d", held)
     p = placer.pick(placer.place(PROMPT))
@@ -97,7 +97,7 @@ def test_threshold_counts_what_the_decode_worker_lacks(held: int, mode: str) -> 
 def test_host_tiers_count_as_tokens_held_not_as_weighted_scores() -> None:
     # llm-d's decider read the tier-weighted score as a block count: 30 blocks on CPU weighted
     # 0.8 would look like 24 held and 256 lacking (remote). They are 30 held: 160 lacking.
-    placer, _ = build({"p": "prefill", "d": "decode"})
+    placer, _ = build({"p": "prefill", "d": "decode"}, mode="threshold")
     store(placer, "d", 30, tier="CPU_PINNED")
     p = placer.pick(placer.place(PROMPT))
     assert p.uncached_decode == 160 and p.mode == LOCAL
@@ -126,13 +126,23 @@ def test_cost_mode_weighs_queues_interference_and_the_transfer() -> None:
     p = placer.pick(placer.place(PROMPT))  # D lacks 640, P lacks 640: the hop is not worth it
     assert (p.mode, p.reason) == (LOCAL, "cost_local")
     assert p.remote_cost == pytest.approx(640 + 0.1 * 640 + 64) and p.local_cost == 640
-    # D busy decoding: a local prefill stalls its batch (x 1.5)
-    other = list(range(9000, 9000 + 4 * BS))
-    busy = placer.place(other)
-    placer.fly(busy, placer.pick(busy).decode.index, "proxy").first_byte()
-    p = placer.pick(placer.place(PROMPT))
-    assert p.local_cost == pytest.approx(1.5 * 640) and p.mode == REMOTE
+    # D decoding: a local prefill stalls its steps, 1 + 0.2 per request decoding there; remote
+    # costs 640 + 64 + 64 = 768: one request decoding keeps it local (x 1.2 = 768 ties, and a
+    # tie stays local), two send it remote
+    flights = []
+    for k in range(3):
+        other = list(range(9000 + 100 * k, 9000 + 100 * k + 4 * BS))
+        busy = placer.place(other)
+        flights.append(placer.fly(busy, placer.pick(busy).decode.index, "proxy"))
+        flights[-1].first_byte()
+        p = placer.pick(placer.place(PROMPT))
+        assert p.local_cost == pytest.approx((1 + 0.2 * (k + 1)) * 640)
+        assert p.mode == (LOCAL if k < 1 else REMOTE)
     assert p.reason == "cost_remote"
+    # a request that finished decodes no more: D is as cheap as with one decoding again
+    flights[0].done("200")
+    flights[1].done("200")
+    assert placer.pick(placer.place(PROMPT)).local_cost == pytest.approx(1.2 * 640)
     # P holding the prefix makes remote cheaper still
     store(placer, "p", 39)
     q = placer.pick(placer.place(PROMPT))
