@@ -7,7 +7,8 @@ to the runner as ``RunnerConfig.options`` (``--some-flag v`` → ``{"some_flag":
 
     kvrouter engine ready http=http://127.0.0.1:PORT events=tcp://127.0.0.1:P replay=tcp://127.0.0.1:Q role=both kv=127.0.0.1:R
 
-(``kv=``: the block endpoint of a ``prefill`` or ``both`` engine, :mod:`engine.pd`).
+(``kv=``: the block endpoint of a ``prefill`` or ``both`` engine as its prefill answers name it,
+``--kv-advertise-host``, :mod:`engine.pd`).
 """
 
 from __future__ import annotations
@@ -90,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     a("--kv-host", help="the prefill side's block endpoint address (default: --host)")
     a("--kv-port", type=int, default=0, help="the block endpoint's port (0: any free port)")
+    a(
+        "--kv-advertise-host",
+        help="the address prefill answers give the decode engine for the block endpoint "
+        "(remote_host; vLLM's VLLM_NIXL_SIDE_CHANNEL_HOST). Default: the bound --kv-host/--host, "
+        "or this host's own address (the pod IP) when that is 0.0.0.0 or ::",
+    )
     a(
         "--kv-lease-s",
         type=float,
@@ -187,6 +194,7 @@ def parse_args(argv: Sequence[str]) -> tuple[ServerSettings, argparse.Namespace]
         role=args.role,
         kv_host=args.kv_host,
         kv_port=args.kv_port,
+        kv_advertise_host=args.kv_advertise_host,
         kv_load_failure_policy=args.kv_load_failure_policy,
         kv_pull_timeout_s=args.kv_pull_timeout_s,
     )
@@ -219,7 +227,7 @@ class _Server(uvicorn.Server):
         print(
             f"kvrouter engine ready http={url} events={st.events_endpoint or 'none'} "
             f"replay={st.replay_endpoint or 'none'} role={self.settings.role}"
-            + (f" kv={st.pd.endpoint.host}:{st.pd.endpoint.port}" if st.pd.endpoint else ""),
+            + (" kv={}:{}".format(*st.pd.advertised) if st.pd.advertised else ""),
             flush=True,
         )
         if self.settings.register:

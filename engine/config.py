@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.pd.params import LOAD_FAILURE_POLICIES, ROLES
+from indexer.hosts import is_wildcard
 
 __all__ = ["ConfigError", "EngineConfig", "ServerSettings"]
 
@@ -124,6 +127,9 @@ class ServerSettings:
     #: the block endpoint's address (prefill and both); None: ``host``. Port 0: any free port
     kv_host: str | None = None
     kv_port: int = 0
+    #: the block endpoint's address in prefill answers (``remote_host``); None: the bound one, or
+    #: this host's own address if that is a wildcard (engine.pd.side_channel.advertised_host)
+    kv_advertise_host: str | None = None
     #: a decode leg whose pull fails: answer 500 (``fail``, vLLM's default) or prefill here
     kv_load_failure_policy: str = "fail"
     kv_pull_timeout_s: float = 10.0
@@ -139,9 +145,28 @@ class ServerSettings:
             raise ConfigError("--kv-pull-timeout-s must be positive")
         if not 0 <= self.kv_port < 65536:
             raise ConfigError("--kv-port must be a port number")
+        if self.kv_advertise_host is not None and not _connectable(self.kv_advertise_host):
+            raise ConfigError(
+                f"--kv-advertise-host must be an address or host name a decode engine can "
+                f"connect to (an IPv6 address without brackets), not {self.kv_advertise_host!r}"
+            )
         if self.stream_head not in ("first-token", "at-once"):
             raise ConfigError("--stream-head must be first-token or at-once")
         if self.replay_buffer <= 0:
             raise ConfigError("--replay-buffer must be positive")
         if self.dp_rank < 0:
             raise ConfigError("--dp-rank must be >= 0")
+
+
+_HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
+
+
+def _connectable(host: str) -> bool:
+    """One IP address or DNS name that is not a wildcard bind (no port, brackets or scheme)."""
+    if is_wildcard(host):
+        return False
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return len(host) <= 253 and _HOST_NAME.fullmatch(host) is not None
+    return True

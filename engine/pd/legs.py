@@ -26,7 +26,7 @@ from engine.block_manager import hash_chain
 from engine.config import ServerSettings
 from engine.engine import RequestOutput
 from engine.pd.params import KvTransferError, KVTransferParams, prefill_answer
-from engine.pd.side_channel import BlockEndpoint, pull
+from engine.pd.side_channel import BlockEndpoint, advertised_host, pull
 from engine.pd.wire import PullAnswer, PullRequest
 from engine.sequence import RemoteKV, Request
 
@@ -67,6 +67,7 @@ class PdNode:
         host: str,
         port: int,
         pull_timeout_s: float,
+        advertise_host: str | None = None,
     ) -> None:
         core = engine.core
         self.engine, self.role, self.policy = engine, role, policy
@@ -81,6 +82,9 @@ class PdNode:
         self.endpoint = (
             BlockEndpoint(self._export, host=host, port=port) if role != "decode" else None
         )
+        self._advertise_host = advertise_host
+        #: (host, port) the prefill answers name: decided once, at start (engine.pd.side_channel)
+        self.advertised: tuple[str, int] | None = None
         #: decode legs by outcome: pulled, failed (answered 500), recomputed (prefilled here)
         self.pulls: dict[str, int] = {"pulled": 0, "failed": 0, "recomputed": 0}
         #: failed decode legs (answered 500 or recomputed) by engine.pd.params.FAILURE_REASONS
@@ -98,11 +102,14 @@ class PdNode:
             host=settings.kv_host or settings.host,
             port=settings.kv_port,
             pull_timeout_s=settings.kv_pull_timeout_s,
+            advertise_host=settings.kv_advertise_host,
         )
 
     async def start(self) -> PdNode:
         if self.endpoint is not None:
-            await self.endpoint.start()
+            ep = await self.endpoint.start()
+            self.advertised = (advertised_host(ep.host, self._advertise_host), ep.port)
+            log.info("prefill blocks advertised at %s:%d", *self.advertised)
         return self
 
     async def close(self) -> None:
@@ -144,14 +151,14 @@ class PdNode:
         """A finished prefill leg's ``kv_transfer_params`` (None: no lease was granted, and the
         router prefills on the decode worker)."""
         lease = out.kv_lease
-        if lease is None or self.endpoint is None:
+        if lease is None or self.advertised is None:
             return None
         return prefill_answer(
             engine_id=self.engine_id,
             request_id=lease.transfer_id,
             block_ids=list(lease.block_ids),
-            host=self.endpoint.host,
-            port=self.endpoint.port,
+            host=self.advertised[0],
+            port=self.advertised[1],
             num_tokens=lease.num_tokens,
             cached_tokens=lease.cached_tokens,
             expiry=time.time() + self.lease_s,
@@ -163,7 +170,8 @@ class PdNode:
         return {
             "role": self.role,
             "engine_id": self.engine_id,
-            "endpoint": f"{ep.host}:{ep.port}" if ep else None,
+            "endpoint": f"{ep.host}:{ep.port}" if ep else None,  # as bound
+            "advertised": "{}:{}".format(*self.advertised) if self.advertised else None,
             "served": ep.served if ep else 0,
             "refused": sum(ep.refused.values()) if ep else 0,
             "pulls": dict(self.pulls),

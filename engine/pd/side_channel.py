@@ -5,7 +5,8 @@ Why an endpoint of the engine and not the EXTERNAL pool: the pull is point to po
 (a lease, released on the pull), its blocks need no copy in a third store nor a store at all, and
 it is what vLLM's NixlConnector does, so the router's ``nixl`` protocol drives it unchanged. The
 endpoint listens on its own address (``--kv-host``/``--kv-port``), so an operator binds it to the
-engines' side network only: being able to reach it is the authentication, as with NIXL's.
+engines' side network only: being able to reach it is the authentication, as with NIXL's. What the
+decode engine is told to connect to (``remote_host``) is :func:`advertised_host`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from collections.abc import Awaitable, Callable
 
 from engine.pd.params import KvTransferError
@@ -24,8 +26,9 @@ from engine.pd.wire import (
     read_frame,
     write_frame,
 )
+from indexer.hosts import is_wildcard
 
-__all__ = ["BlockEndpoint", "pull"]
+__all__ = ["BlockEndpoint", "advertised_host", "pull"]
 
 log = logging.getLogger("engine.pd")
 
@@ -87,6 +90,29 @@ class BlockEndpoint:
                 await writer.wait_closed()
 
 
+def advertised_host(bound: str, given: str | None = None) -> str:
+    """The address a prefill answer's ``remote_host`` names: ``given`` (``--kv-advertise-host``),
+    else the endpoint's ``bound`` host when it is one address; a wildcard bind (``0.0.0.0``,
+    ``::``) is no address a peer can connect to, so then this host's own address (the pod IP in
+    Kubernetes), or loopback if it has none (vLLM: ``VLLM_NIXL_SIDE_CHANNEL_HOST``). Of the
+    bind's family: asyncio binds ``::`` IPv6 only, where an IPv4 address would be refused."""
+    if given:
+        return given
+    if not is_wildcard(bound):
+        return bound
+    v6 = ":" in bound
+    loopback = "::1" if v6 else "127.0.0.1"
+    try:
+        if v6:
+            own = socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET6)[0][4][0]
+        else:
+            own = socket.gethostbyname(socket.gethostname())
+    except (OSError, IndexError) as exc:
+        log.warning("no address for this host (%s): advertising blocks on %s", exc, loopback)
+        return loopback
+    return loopback if is_wildcard(own) else own
+
+
 async def pull(
     host: str, port: int, req: PullRequest, *, block_bytes: int, timeout: float
 ) -> PullAnswer:
@@ -96,8 +122,11 @@ async def pull(
     want = len(req.block_ids) - req.first
     limit = answer_limit(max(want, 0), block_bytes)
 
+    # an IPv6 remote_host may come bracketed, as in a URL; the socket wants the bare address
+    addr = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
     async def exchange() -> PullAnswer:
-        reader, writer = await asyncio.open_connection(host, port)
+        reader, writer = await asyncio.open_connection(addr, port)
         try:
             await write_frame(writer, req)
             return await read_frame(reader, PullAnswer, limit)

@@ -51,6 +51,7 @@ from collections.abc import Sequence
 
 import msgspec
 
+from indexer.hosts import is_wildcard
 from router.edge.server import bind_listener
 from router.errors import ConfigError
 from router.settings import Settings
@@ -74,10 +75,8 @@ _PR_SET_PDEATHSIG = 1
 def local_url(sock: socket.socket) -> str:
     """How this machine reaches the socket (a wildcard address as loopback)."""
     host, port = sock.getsockname()[:2]
-    if host in ("0.0.0.0", ""):
-        host = "127.0.0.1"
-    elif host == "::":
-        host = "::1"
+    if is_wildcard(host):
+        host = "::1" if ":" in host else "127.0.0.1"
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from indexer.hosts import is_wildcard
 from router.fleet.upstream import BodyTooLarge, UpstreamError, UpstreamPool
 from router.settings import EVENTS_NONE, DiscoverySettings, WorkerConfig
 
@@ -27,7 +28,6 @@ __all__ = [
     "worker_for_pod",
 ]
 
-_WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]", "")
 _MAX_SOURCES_BYTES = 64 * 1024  # a /kv_event_sources answer is a few hundred bytes
 
 
@@ -190,7 +190,7 @@ def _from_sources(sources: list[EventSource], ip: str) -> tuple[str, str | None,
         if scheme != "tcp" or not sep or not port.isdigit():
             raise PodNotUsable(f"/kv_event_sources endpoint {ep!r} is not tcp://host:port")
         # a publisher bound on every interface reports its bind address: use the pod's IP
-        return (ip if host in _WILDCARD_HOSTS else host), int(port)
+        return (ip if is_wildcard(host) else host), int(port)
 
     events = [local(x.endpoint) for x in by_rank]
     replays = [local(x.replay_endpoint) if x.replay_endpoint else None for x in by_rank]

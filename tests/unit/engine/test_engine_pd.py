@@ -19,12 +19,16 @@ from engine_helpers import make_engine, run
 from pd_helpers import PREFILL_LEG, Engine, engines, gpu_stores
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine.config import ConfigError, ServerSettings
 from engine.engine import LLMEngine
 from engine.pd.leases import LeaseTable
 from engine.pd.params import KvTransferError
+from engine.pd.side_channel import BlockEndpoint, advertised_host, pull
+from engine.pd.wire import PullRequest
 from engine.runner.base import RunnerConfig
 from engine.runner.sim import SimRunner
 from engine.sequence import RemoteKV, Request
+from indexer.hosts import is_wildcard
 from tests.waiting import poll
 
 BS = 16
@@ -38,8 +42,10 @@ def fleet() -> Iterator[dict[str, Engine]]:
         ["--role", "prefill", "--kv-lease-s", "0.3", *SIM],
         ["--role", "decode", "--cpu-blocks", "256", *SIM],
         ["--role", "decode", "--kv-load-failure-policy", "recompute", *SIM],
-    ) as (p, short, d, r):
-        yield {"p": p, "short": short, "d": d, "r": r}
+        # bound on every interface, as in the Dockerfile and the Kubernetes overlay
+        ["--role", "prefill", "--kv-host", "0.0.0.0", "--kv-advertise-host", "127.0.0.1", *SIM],
+    ) as (p, short, d, r, wild):
+        yield {"p": p, "short": short, "d": d, "r": r, "wild": wild}
 
 
 def _ids(seed: int, n: int) -> list[int]:
@@ -256,6 +262,64 @@ def test_a_prefill_engine_gone_mid_pull(fleet) -> None:
     finally:
         t.join(10)
         srv.close()
+
+
+def test_a_wildcard_bound_endpoint_advertises_the_given_host_and_is_pulled_from(fleet) -> None:
+    wild, d = fleet["wild"], fleet["d"]
+    assert wild.transfers()["endpoint"].startswith("0.0.0.0:")
+    ids = _ids(12, 70)
+    kv = _prefill(wild, ids)
+    assert (kv["remote_host"], kv["remote_port"]) == wild.kv and wild.kv[0] == "127.0.0.1"
+    before = d.transfers()["pulls"]["pulled"]
+    got = _decode(d, ids, kv)
+    assert got.status_code == 200, got.text
+    assert d.transfers()["pulls"]["pulled"] == before + 1
+    assert wild.transfers()["leases"]["ended"]["pulled"] == 1
+
+
+async def _refuse(req: PullRequest) -> Any:
+    raise KvTransferError("no such transfer", "unknown_transfer")
+
+
+@pytest.mark.parametrize("bind", ["0.0.0.0", "::"])
+async def test_a_wildcard_bind_advertises_a_concrete_address_that_reaches_it(bind) -> None:
+    try:
+        ep = await BlockEndpoint(_refuse, host=bind, port=0).start()
+    except OSError as exc:  # no IPv6 on this machine
+        pytest.skip(f"cannot bind {bind}: {exc}")
+    try:
+        host = advertised_host(ep.host)
+        assert host and not is_wildcard(host) and ep.host == bind
+        assert advertised_host("10.1.2.3") == "10.1.2.3"  # a specific bind is its own address
+        # the endpoint answers there (its refusal is its answer: the connection was made)
+        req = PullRequest(engine_id="e", transfer_id="t", block_ids=[1])
+        with pytest.raises(KvTransferError) as exc:
+            await pull(host, ep.port, req, block_bytes=8, timeout=5)
+        assert exc.value.reason == "refused" and ep.refused == {"unknown_transfer": 1}
+    finally:
+        await ep.close()
+
+
+async def test_a_decode_engine_takes_an_ipv6_remote_host_bare_or_bracketed() -> None:
+    try:
+        ep = await BlockEndpoint(_refuse, host="::1", port=0).start()
+    except OSError as exc:
+        pytest.skip(f"no IPv6 loopback: {exc}")
+    try:
+        req = PullRequest(engine_id="e", transfer_id="t", block_ids=[1])
+        for host in ("::1", "[::1]"):
+            with pytest.raises(KvTransferError, match="refused: no such transfer"):
+                await pull(host, ep.port, req, block_bytes=8, timeout=5)
+        assert ep.refused == {"unknown_transfer": 2}
+    finally:
+        await ep.close()
+
+
+@pytest.mark.parametrize("bad", ["0.0.0.0", "::", "*", "", "[::1]", "10.0.0.1:5600", "a b"])
+def test_a_bad_kv_advertise_host_is_refused(bad) -> None:
+    with pytest.raises(ConfigError, match="--kv-advertise-host must be an address"):
+        ServerSettings(kv_advertise_host=bad)
+    assert ServerSettings(kv_advertise_host="::1").kv_advertise_host == "::1"
 
 
 def test_the_sim_times_a_pull_by_bytes_over_bandwidth_plus_latency() -> None:
