@@ -188,7 +188,7 @@ class LoopLog:
     far, the verdict's kind and likely cause, simulated time)."""
 
     turns: list[tuple[str, bool, int, str, str, float]] = field(default_factory=list)
-    #: answers reporting cached tokens, per worker
+    #: answers reporting cached tokens, per worker: the loop's own count (``watch_loop``)
     answers: Counter[str] = field(default_factory=Counter)
     #: each worker's standing at the run's end (``AgreementLoop.verdict``)
     verdicts: dict[str, dict[str, object]] = field(default_factory=dict)
@@ -207,6 +207,7 @@ class LoopLog:
 def watch_loop(placer: Any, log: LoopLog, clock: Any) -> None:
     """Record each switch of ``placer.loop`` (the index's own switch, still the one applied)."""
     loop, switch = placer.loop, placer.loop.switch
+    log.answers = loop.answers
 
     def recorded(key: WorkerKey, on: bool, keep: bool) -> object:
         verdict = loop.turned[key[0]][0] if on else loop.estimator.verdict(key[0])

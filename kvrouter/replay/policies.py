@@ -196,7 +196,6 @@ class KvrouterPolicy(Policy):
         flight = handle[1]
         if cached is not None:  # as the proxy reads the answer's usage: the loop judges it
             flight.cached = cached
-            self.looplog.answers[flight.worker] += 1
         flight.done("200")
 
     def close(self) -> None:

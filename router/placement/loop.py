@@ -103,10 +103,12 @@ class AgreementLoop:
 
     def answered(self, f: Flight) -> None:
         """Flight ``f`` ended (``Flight.done``): judge its answer if it reported cached tokens."""
-        if not self.settings.enabled or f.cached is None:
+        if f.cached is None:
             return
         worker, key = f.worker, f.ticket.key
-        self.answers[worker] += 1
+        self.answers[worker] += 1  # (the loop off too: the replay reports them)
+        if not self.settings.enabled:
+            return
         try:
             rec = self.index.worker(key)
         except KeyError:  # (it left meanwhile)
