@@ -189,14 +189,14 @@ def other_objectives(
 
 def _tpots(args: argparse.Namespace) -> list[float]:
     out = []
-    for text in (getattr(args, "pd_tpot_ms", None) or "").split(","):
+    for text in filter(str.strip, (getattr(args, "pd_tpot_ms", None) or "").split(",")):
         try:
             ms = float(text)
         except ValueError:
             ms = 0.0
-        if text.strip() and not ms > 0:
+        if not ms > 0:
             raise ValueError(f"--pd-tpot-ms: {text!r} is no positive number of milliseconds")
-        out += [ms] if text.strip() else []
+        out.append(ms)
     return out
 
 
