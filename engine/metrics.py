@@ -14,6 +14,7 @@ side, done, failed and recomputed on the decode side (failures by
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Histogram
@@ -25,7 +26,7 @@ from engine.engine import EngineStats
 from engine.pd.legs import PdCounters
 from engine.pd.params import FAILURE_REASONS
 
-__all__ = ["EngineMetrics", "cache_config_labels"]
+__all__ = ["EngineMetrics", "RequestTimer", "cache_config_labels"]
 
 
 def cache_config_labels(cfg: EngineConfig, dp_rank: int = 0) -> dict[str, str]:
@@ -48,6 +49,11 @@ def cache_config_labels(cfg: EngineConfig, dp_rank: int = 0) -> dict[str, str]:
 
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10)
+#: vLLM's inter-token buckets, with the sim's 8-20 ms decode steps split finer
+_TPOT_BUCKETS = (
+    *(0.005, 0.0075, 0.01, 0.0125, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1),
+    *(0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0),
+)
 
 
 class _StatsCollector(Collector):
@@ -221,3 +227,34 @@ class EngineMetrics:
             ["model_name"],
             registry=self.registry,
         ).labels(model)
+        self.tpot = Histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Time per output token of each request: first output to the end over the tokens after"
+            " the first (wall clock).",
+            ["model_name"],
+            buckets=_TPOT_BUCKETS,
+            registry=self.registry,
+        ).labels(model)
+
+
+class RequestTimer:
+    """One request's latencies as vLLM's histograms take them: the TTFT at its first output, the
+    end-to-end latency and the time per output token at its end. A router's client sees the
+    same times plus the hop; the difference says whether a slow stream is the engine's."""
+
+    __slots__ = ("first_at", "metrics", "start")
+
+    def __init__(self, metrics: EngineMetrics, start: float) -> None:
+        self.metrics = metrics
+        self.start = start
+        self.first_at: float | None = None
+
+    def first(self) -> None:
+        self.first_at = now = time.monotonic()
+        self.metrics.ttft.observe(now - self.start)
+
+    def done(self, output_tokens: int) -> None:
+        now = time.monotonic()
+        self.metrics.e2e.observe(now - self.start)
+        if self.first_at is not None and output_tokens > 1:
+            self.metrics.tpot.observe((now - self.first_at) / (output_tokens - 1))

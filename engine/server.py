@@ -24,7 +24,7 @@ from engine import cache_routes, sglang_compat
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.config import ServerSettings
 from engine.engine import InvalidRequestError, LLMEngine, RequestOutput
-from engine.metrics import EngineMetrics, cache_config_labels
+from engine.metrics import EngineMetrics, RequestTimer, cache_config_labels
 from engine.pd.legs import PdNode, PdRequestError
 from engine.pd.params import KvTransferError
 from engine.protocol import (
@@ -258,21 +258,21 @@ async def _serve(
     except KvTransferError as exc:  # --kv-load-failure-policy fail, vLLM's 500
         raise ApiError(500, f"KV load failed: {exc}", "internal_server_error") from exc
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    start = time.monotonic()
+    timer = RequestTimer(st.metrics, time.monotonic())
     outputs = st.engine.generate(req)
     first: RequestOutput | None = None
     if not (body.stream and st.settings.stream_head == "at-once"):
-        first = await _first(st, outputs, start)  # (400 too long) before any byte is sent
+        first = await _first(st, outputs, timer)  # (400 too long) before any byte is sent
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        gen = _stream(st, req.request_id, first, outputs, stops, chat, include_usage, start)
+        gen = _stream(st, req.request_id, first, outputs, stops, chat, include_usage, timer)
         return StreamingResponse(gen, media_type="text/event-stream")
     assert first is not None
-    return await _until_done(request, st, req, first, outputs, stops, chat, start)
+    return await _until_done(request, st, req, first, outputs, stops, chat, timer)
 
 
 async def _first(
-    st: EngineState, outputs: AsyncIterator[RequestOutput], start: float
+    st: EngineState, outputs: AsyncIterator[RequestOutput], timer: RequestTimer
 ) -> RequestOutput:
     """The first output (the prefill done), timed as the TTFT; a request the engine refuses at
     admission is a 400."""
@@ -280,7 +280,7 @@ async def _first(
         first = await outputs.__anext__()
     except InvalidRequestError as exc:
         raise ApiError(400, str(exc)) from exc
-    st.metrics.ttft.observe(time.monotonic() - start)
+    timer.first()
     return first
 
 
@@ -307,7 +307,7 @@ async def _until_done(
     outputs: AsyncIterator[RequestOutput],
     stops: list[str],
     chat: bool,
-    start: float,
+    timer: RequestTimer,
 ) -> Response:
     stop = StopChecker(stops)
 
@@ -333,7 +333,7 @@ async def _until_done(
         return _error(499, "client disconnected", "client_closed_request")
     finish = "stop" if stop.stopped else last.finish_reason
     use = usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
-    st.metrics.e2e.observe(time.monotonic() - start)
+    timer.done(last.num_output_tokens)
     build = chat_response if chat else completion_response
     answer = build(req.request_id, st.model, stop.text, finish, use)
     if req.kv_hold and (kv := st.pd.answer_params(last)) is not None:
@@ -349,7 +349,7 @@ async def _stream(
     stops: list[str],
     chat: bool,
     include_usage: bool,
-    start: float,
+    timer: RequestTimer,
 ) -> AsyncIterator[bytes]:
     """The SSE answer. ``first`` None (``--stream-head at-once``): the head went before the
     prefill, as vLLM sends it, so the first output is awaited here, and a request the engine
@@ -358,7 +358,7 @@ async def _stream(
     try:
         if first is None:
             try:
-                first = await _first(st, outputs, start)
+                first = await _first(st, outputs, timer)
             except ApiError as exc:
                 yield b"data: " + error_body(exc.message, exc.type) + b"\n\n"
                 yield b"data: [DONE]\n\n"
@@ -384,7 +384,7 @@ async def _stream(
             )
             yield _sse(chunk)
         yield b"data: [DONE]\n\n"
-        st.metrics.e2e.observe(time.monotonic() - start)
+        timer.done(last.num_output_tokens)
     finally:
         # client gone (the response task is cancelled) or stop string: abort the sequence
         await _close(outputs)

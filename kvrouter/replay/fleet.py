@@ -62,6 +62,7 @@ from kvrouter.up import (
 __all__ = ["EngineCounters", "Fleet", "FleetSpec", "UpError", "cpu_seconds", "wait_until"]
 
 _PROC = Path("/proc")
+TPOT = "vllm:request_time_per_output_token_seconds"  # vLLM's per-request TPOT histogram
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ class EngineCounters:
     #: prompt tokens looked up in its prefix cache (a preempted request's recompute looks again)
     queried_tokens: int = 0
     #: its ``kvrouter_engine_pd_*`` samples, each summed over its labels (engine.metrics), and
-    #: by reason (``NAME:REASON``, ``NAME:HOW``)
+    #: by reason (``NAME:REASON``, ``NAME:HOW``); and the sum and count of its ``TPOT``
     pd: dict[str, float] = field(default_factory=dict)
 
 
@@ -385,7 +386,7 @@ def engine_counters(url: str, role: str = "both") -> EngineCounters:
         preemptions=int(values.get("vllm:num_preemptions_total", 0)),
         role=role,
         queried_tokens=int(values.get("vllm:prefix_cache_queries_total", 0)),
-        pd={k: v for k, v in values.items() if k.startswith("kvrouter_engine_pd_")},
+        pd={k: v for k, v in values.items() if k.startswith(("kvrouter_engine_pd_", TPOT))},
     )
 
 

@@ -36,7 +36,7 @@ from kvrouter.replay.live_client import (
     drive,
     model_of,
 )
-from kvrouter.replay.live_pd import pd_columns, pd_label
+from kvrouter.replay.live_pd import engine_tpot_ms, pd_columns, pd_label
 from kvrouter.replay.relay import relayed_specs
 
 __all__ = [
@@ -187,6 +187,8 @@ def run_policy(
         label += row_suffix(spec.faults, spec.no_events if ours else 0, spec.workers, ours)
         counters = fleet.counters()
         extra = pd_columns(counters) if spec.pd is not None else {}
+        if targets.fleet.pd is not None:  # every row of a PD run, aggregated too
+            extra["eng_tpot_ms"] = engine_tpot_ms(counters)
         if ours and targets.fleet.faults.label():
             extra["turned"] = fleet.loop_turns()
         return PolicyRun(label, outcomes, wall, cpu, counters, gateway_cpu_s=gw, extra=extra)

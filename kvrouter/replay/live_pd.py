@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvrouter.replay.fleet import EngineCounters
+from kvrouter.replay.fleet import TPOT, EngineCounters
 
-__all__ = ["pd_columns", "pd_label"]
+__all__ = ["engine_tpot_ms", "pd_columns", "pd_label"]
 
 
 def pd_label(policy: str, pd: tuple[int, int], workers: int, targets: Any) -> str:
@@ -49,6 +49,16 @@ def pd_columns(engines: Sequence[EngineCounters]) -> dict[str, Any]:
         "pull_fail": _failures(engines),
         "GB_pulled": round(total("pulled_bytes") / 1e9, 2),
     }
+
+
+def engine_tpot_ms(engines: Sequence[EngineCounters]) -> float | None:
+    """The decoding engines' own time per output token, mean over their requests (``eng_tpot_ms``,
+    ``vllm:request_time_per_output_token_seconds``): the client's TPOT less the router's hop
+    and the client's own delays, so a gap between the two is not the engines'. None: no engine
+    reports it."""
+    dec = [e for e in engines if e.role != "prefill"]
+    n = sum(e.pd.get(f"{TPOT}_count", 0.0) for e in dec)
+    return round(1000 * sum(e.pd.get(f"{TPOT}_sum", 0.0) for e in dec) / n, 1) if n else None
 
 
 def _failures(engines: Sequence[EngineCounters]) -> str:

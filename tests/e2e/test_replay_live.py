@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvrouter.replay.fleet import FleetSpec
+from kvrouter.replay.fleet import TPOT, FleetSpec
 from kvrouter.replay.live import LiveTargets, run_policy
 from kvrouter.replay.live_client import LiveRequest
 
@@ -73,6 +73,8 @@ def test_live_pd_fleet_pulls_every_prompt_and_reports_its_counters(tmp_path: Pat
     assert (extra["remote_%"], extra["pulls"], extra["pull_fail"]) == (100.0, 6, "0")
     assert extra["P_hit_%"] > 20  # the second turns' heads, cached on the prefill engine
     assert run.engines[1].pd["kvrouter_engine_pd_pulled_bytes_total"] > 0
+    # the decode engine timed its 6 streams itself (the client's TPOT less the router's hop)
+    assert run.engines[1].pd[f"{TPOT}_count"] == 6 and extra["eng_tpot_ms"] > 0
 
 
 #: not KVROUTER_...: the fleet's router reads those as its own settings

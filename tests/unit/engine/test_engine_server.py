@@ -181,8 +181,15 @@ async def test_metrics_reset_and_debug_listing(tmp_path: Path) -> None:
                 "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total",
                 "vllm:prefix_cache_hits_total", "kvrouter_engine_blocks",
                 "vllm:time_to_first_token_seconds_bucket",
+                "vllm:request_time_per_output_token_seconds_bucket",
             ):  # fmt: skip
                 assert f"\n{name}{{" in metrics, name
+            # each of the two requests, 4 tokens, timed from its first output to its end
+            tpot = next(
+                x for x in metrics.splitlines()
+                if x.startswith("vllm:request_time_per_output_token_seconds_count")
+            )  # fmt: skip
+            assert float(tpot.split()[-1]) == 2
             hits = next(
                 x for x in metrics.splitlines() if x.startswith("vllm:prefix_cache_hits_total")
             )

@@ -3,9 +3,9 @@ rows, and their columns from the engines' counters."""
 
 from __future__ import annotations
 
-from kvrouter.replay.fleet import EngineCounters, FleetSpec
+from kvrouter.replay.fleet import TPOT, EngineCounters, FleetSpec
 from kvrouter.replay.live import LiveTargets
-from kvrouter.replay.live_pd import pd_columns, pd_label
+from kvrouter.replay.live_pd import engine_tpot_ms, pd_columns, pd_label
 
 FAILED = "kvrouter_engine_pd_pulls_failed_total"
 
@@ -41,3 +41,13 @@ def test_rows_are_named_as_the_virtual_sweep_names_them() -> None:
     assert pd_label("vllm-router", (2, 6), 8, t) == "vllm-router 2:6 kv_aware"
     assert pd_label("smg", (2, 6), 8, t) == "smg 2:6"
     assert FleetSpec(pd=(2, 6)).roles == ["prefill"] * 2 + ["decode"] * 6
+
+
+def test_the_engines_tpot_is_the_decoding_engines_mean_over_their_requests() -> None:
+    engines = [
+        _engine("prefill", 4, **{f"{TPOT}_sum": 9.0, f"{TPOT}_count": 4}),  # one-token legs
+        _engine("decode", 3, **{f"{TPOT}_sum": 0.03, f"{TPOT}_count": 3}),
+        _engine("decode", 1, **{f"{TPOT}_sum": 0.014, f"{TPOT}_count": 1}),
+    ]
+    assert engine_tpot_ms(engines) == 11.0  # 44 ms over 4 requests; the prefill side aside
+    assert engine_tpot_ms([_engine("both", 2)]) is None  # an engine that does not report it
