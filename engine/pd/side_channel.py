@@ -120,7 +120,7 @@ async def pull(
     each; :class:`KvTransferError` if the prefill engine cannot be reached, refuses, answers
     another number or size of blocks, or goes away mid-pull."""
     want = len(req.block_ids) - req.first
-    limit = answer_limit(max(want, 0), block_bytes)
+    limit = answer_limit(max(want, 0), block_bytes, len(req.block_ids))
 
     # an IPv6 remote_host may come bracketed, as in a URL; the socket wants the bare address
     addr = host[1:-1] if host.startswith("[") and host.endswith("]") else host

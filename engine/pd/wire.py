@@ -3,7 +3,7 @@ the prefill engine, each a 4-byte big-endian length and a msgpack body, on one T
 
 Every size a peer controls is bounded before it is read: a request frame by
 :data:`MAX_REQUEST_BYTES`, an answer by what the decode engine asked for (its block count times
-its own block size, plus the fixed fields).
+its own block size, plus every block's hash and the fixed fields).
 """
 
 from __future__ import annotations
@@ -51,9 +51,11 @@ class PullAnswer(msgspec.Struct, kw_only=True):
     blocks: list[bytes] = msgspec.field(default_factory=list)
 
 
-def answer_limit(num_blocks: int, block_bytes: int) -> int:
-    """The largest answer a pull of ``num_blocks`` blocks of ``block_bytes`` may get."""
-    return num_blocks * (block_bytes + 32) + 64 * 1024
+def answer_limit(num_blocks: int, block_bytes: int, num_hashes: int) -> int:
+    """The largest answer a pull of ``num_blocks`` blocks of ``block_bytes`` may get, with the
+    hashes of all ``num_hashes`` blocks of the lease (the held ones too: a 190k-token prompt's
+    12k hashes are 108 KB, however few blocks are pulled; at most 9 bytes each in msgpack)."""
+    return num_blocks * (block_bytes + 32) + num_hashes * 9 + 64 * 1024
 
 
 async def write_frame(writer: asyncio.StreamWriter, obj: msgspec.Struct) -> None:
