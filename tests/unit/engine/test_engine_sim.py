@@ -56,6 +56,35 @@ def test_timing_only_models_the_same_time_without_payloads() -> None:
     assert timed.execute([a, b]).tokens == got.tokens  # deterministic
 
 
+def test_a_live_step_lasts_its_modeled_time_whatever_its_checks_took() -> None:
+    # the clock is injected (the one seam here): the checks "take" 3 ms of a 10 ms step at
+    # speedup 2 (5 ms of wall time), so the step waits the 2 ms left, not 5 on top of them
+    sim = SimRunner(
+        RunnerConfig(
+            16, 8, 0, speedup=2.0, options={"prefill_a": "0", "prefill_b": "0", "prefill_c": "10"}
+        )
+    )
+    now, slept = [0.0], []
+
+    def clock() -> float:
+        now[0] += 0.003  # read at the step's start and after its checks: 3 ms between
+        return now[0]
+
+    sim.clock, sim.sleep = clock, slept.append
+    out = sim.execute([ScheduledSeq(1, list(range(20)), 0, 20, [0, 1], sample=True)])
+    assert out.elapsed_s == pytest.approx(0.010) and slept == [pytest.approx(0.002)]
+    # checks slower than the step: no wait at all (the step is as long as its work)
+    now[0], slept[:] = 0.0, []
+
+    def slow_clock() -> float:
+        now[0] += 0.006
+        return now[0]
+
+    sim.clock = slow_clock
+    sim.execute([ScheduledSeq(2, list(range(20)), 0, 20, [2, 3], sample=True)])
+    assert slept == []
+
+
 def test_options_are_checked() -> None:
     with pytest.raises(RunnerError, match="unknown sim runner option"):
         _sim(prefil_a="1")
