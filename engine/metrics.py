@@ -50,10 +50,8 @@ def cache_config_labels(cfg: EngineConfig, dp_rank: int = 0) -> dict[str, str]:
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10)
 #: vLLM's inter-token buckets, with the sim's 8-20 ms decode steps split finer
-_TPOT_BUCKETS = (
-    *(0.005, 0.0075, 0.01, 0.0125, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1),
-    *(0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0),
-)
+_TPOT_BUCKETS = (0.005, 0.0075, 0.01, 0.0125, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,
+                 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)  # fmt: skip
 
 
 class _StatsCollector(Collector):
