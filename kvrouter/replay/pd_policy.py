@@ -8,10 +8,12 @@ is; this module only flies the legs it decided, in the proxy's order:
 
 * a remote pick's prefill leg is a flight on the prefill worker (``leg="prefill"``) that ends
   when the prefill worker answers (:meth:`prefill_answered`, with its cached tokens);
-* then the decode leg is a flight on the decode worker (``leg="decode"``: it builds nothing,
-  its KV arrives by transfer), predicted to reuse what the prefill worker held, sent once the
-  run has pulled the blocks (:meth:`decode_sent`); an answer without a lease makes the pick fall
-  back (the decode worker prefills itself, as the proxy does with no ``kv_transfer_params``);
+* the decode leg is a flight on the decode worker (``leg="decode"``: it builds nothing, its
+  KV arrives by transfer) from the pick on, as the proxy's, so requests placed while the prompt
+  is prefilled see the decode worker taken; it is predicted to reuse what the prefill worker
+  held and sent once the run has pulled the blocks (:meth:`decode_sent`); an answer without a
+  lease makes the pick fall back (the decode worker prefills itself, a flight of its own, as
+  the proxy does with no ``kv_transfer_params``);
 * a local pick is one flight on the decode worker, as in an aggregated fleet.
 
 The decode leg's flight sees its first byte at the first token and ends at the last, as the
@@ -35,7 +37,7 @@ __all__ = ["KvrouterPdPolicy", "PdHandle"]
 class PdHandle:
     """One request's pick and its flights (the prefill leg's only when remote)."""
 
-    __slots__ = ("decode", "decode_flight", "pick", "prefill_flight", "remote")
+    __slots__ = ("decode", "decode_flight", "pick", "prefill_flight", "remote", "sent")
 
     def __init__(self, pick: Pick, decode: int) -> None:
         self.pick = pick
@@ -43,6 +45,7 @@ class PdHandle:
         self.remote = pick.mode == REMOTE
         self.prefill_flight: Flight | None = None
         self.decode_flight: Flight | None = None
+        self.sent = not self.remote  # the decode leg went to the decode worker
 
 
 class KvrouterPdPolicy(KvrouterPolicy):
@@ -76,6 +79,9 @@ class KvrouterPdPolicy(KvrouterPolicy):
         if p is None:
             h.decode_flight = self.placer.fly(d, pick.decode.index, "proxy", endpoint="completions")
             return dw, None, h
+        h.decode_flight = self.placer.fly(
+            d, pick.decode.index, "proxy", endpoint="completions", leg="decode"
+        )
         h.prefill_flight = self.placer.fly(
             d, p.index, "proxy", endpoint="completions", leg="prefill"
         )
@@ -95,16 +101,17 @@ class KvrouterPdPolicy(KvrouterPolicy):
         pick, d = h.pick, h.pick.decision
         p = pick.prefill
         assert p is not None
+        f = h.decode_flight
+        assert f is not None
+        h.sent = True
         if fallback:
             pick.fall_back(fallback)
             self.fallbacks[fallback] += 1
             h.remote = False
-        f = self.placer.fly(
-            d, pick.decode.index, "proxy", endpoint="completions", leg="decode" if h.remote else ""
-        )
-        if h.remote:  # (the decode leg's predicted hit is the prefill worker's, as the proxy's)
+            f.done("prefill_failed")
+            h.decode_flight = self.placer.fly(d, pick.decode.index, "proxy", endpoint="completions")
+        else:  # (the decode leg's predicted hit is the prefill worker's, as the proxy's)
             f.predicted_tokens = cached_tokens(p.cand, d.tokens, d.block_size)
-        h.decode_flight = f
 
     def first_token(self, handle: Any, now: float) -> None:
         f = handle.decode_flight
@@ -113,8 +120,12 @@ class KvrouterPdPolicy(KvrouterPolicy):
 
     def finish(self, handle: Any, now: float, cached: int | None = None) -> None:
         self.outstanding[handle.decode] -= 1
-        if handle.decode_flight is not None:
-            handle.decode_flight.cached = cached  # (a remote pick's decode leg is not judged)
-            handle.decode_flight.done("200")
-        elif handle.prefill_flight is not None:  # refused before a decode leg (the engine's 400)
+        f = handle.decode_flight
+        assert f is not None
+        if handle.sent:
+            f.cached = cached  # (a remote pick's decode leg is not judged)
+            f.done("200")
+        else:  # refused before a decode leg (the engine's 400)
+            assert handle.prefill_flight is not None
             handle.prefill_flight.done("400")
+            f.done("prefill_refused")

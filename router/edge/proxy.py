@@ -153,15 +153,32 @@ async def _serve(
     def picked(dc: Choice | None = None) -> Headers:
         return [(k.encode(), v.encode()) for k, v in pick_headers(pick, dc, explain=explain)]
 
+    reserved: Flight | None = None
     if pick.mode == REMOTE:
         if state.settings.pd.protocol == "sglang":
             sibling = Sibling(state, entry, fwd, t0)
         else:
-            got = await prefill_first(state, entry, fwd, t0)
+            # the decode worker is taken now, not once the prefill answers: requests placed
+            # meanwhile see it loaded instead of herding onto it (docs/architecture.md §10)
+            reserved = placer.fly(
+                d, pick.decode.index, "proxy", endpoint=endpoint, t0=t0, leg="decode"
+            )
+            try:
+                got = await prefill_first(state, entry, fwd, t0)
+            except asyncio.CancelledError:
+                reserved.done("client_disconnect")
+                raise
+            except Exception:
+                reserved.done("prefill_failed")
+                raise
             if isinstance(got, PrefillAnswer):
+                reserved.done("prefill_refused")
                 ctype = got.content_type.encode() if got.content_type else b"application/json"
                 await out.whole(got.status, [(b"content-type", ctype), *picked()], got.content)
                 return
+            if got is None:  # fell back: the decode worker prefills, a flight of its own
+                reserved.done("prefill_failed")
+                reserved = None
             params = got
     path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
     errors: list[str] = []
@@ -171,6 +188,12 @@ async def _serve(
         while k < len(attempts):
             dc = attempts[k]
             ws, remote = dc.worker, pick.mode == REMOTE
+            if reserved is not None:  # (the first attempt: the pick's decode worker)
+                flight, reserved = reserved, None
+            else:
+                flight = placer.fly(
+                    d, dc.index, "proxy", endpoint=endpoint, t0=t0, leg=_leg(remote)
+                )
             headers = fwd
             if ws.config.dp_ranks > 1:
                 headers = [*fwd, ("X-Data-Parallel-Rank", str(dc.cand.key[1]))]
@@ -179,7 +202,6 @@ async def _serve(
                 body = sibling.decode_body
             elif remote and params:
                 body = apply(entry.body, decode_patch("nixl"), {"kv_transfer_params": params})
-            flight = placer.fly(d, dc.index, "proxy", endpoint=endpoint, t0=t0, leg=_leg(remote))
             if remote:
                 p = pick.prefill
                 assert p is not None  # (the predicted hit of a decode leg is the prefill's)

@@ -190,3 +190,13 @@ def test_the_sweep_says_when_to_run_no_pd_at_all() -> None:
     assert recommend([{"policy": "kvrouter 8 aggregated", "goodput_rps": None}]).startswith(
         "no row"
     )
+
+
+def test_a_burst_placed_while_prompts_prefill_spreads_over_the_decode_engines() -> None:
+    # eight unrelated prompts at once: every pick is made before any prefill answers, so only
+    # the decode legs held from the pick on tell one placement what the others took
+    burst = [_req(0.0, [70_000 + 100 * i + k for k in range(8)]) for i in range(8)]
+    fleet = VirtualFleet(workers=3, block_size=BS, gpu_blocks=2048, prefill=1)
+    run = run_virtual(burst, "kvrouter", fleet, trace_block=TB, settings=_settings("always"))
+    assert run.extra["remote_%"] == 100.0
+    assert sorted(o.worker for o in run.outcomes) == ["w1"] * 4 + ["w2"] * 4
