@@ -158,7 +158,9 @@ class Flight:
 
     def done(self, status: str) -> None:
         """The end: an HTTP status or ``client_disconnect`` / ``upstream_error`` for the proxy
-        (``client_disconnect`` / ``protocol_error`` for the EPP's stream),
+        (and ``prefill_failed`` / ``prefill_refused`` for a decode leg whose prefill leg failed
+        or got a 4xx before it was sent; ``client_disconnect`` / ``protocol_error`` for the
+        EPP's stream),
         ``released`` / ``expired`` / ``evicted`` / ``worker_removed`` for an accounted route."""
         if self.ticket.state is TicketState.DONE:
             return
