@@ -13,6 +13,7 @@ import httpx
 import pytest
 import zmq.asyncio
 from router_fakeworker import FakeWorker, ServerHandle, wait_for
+from router_pdworker import PdFleet
 
 from router.edge.app import create_app
 from router.runtime import Runtime
@@ -63,6 +64,14 @@ async def zctx() -> AsyncIterator[zmq.asyncio.Context]:
     ctx = zmq.asyncio.Context()
     yield ctx
     ctx.destroy(linger=0)  # never blocks, even if a failed test left a socket open
+
+
+@pytest.fixture
+async def pd(zctx: zmq.asyncio.Context) -> AsyncIterator[PdFleet]:
+    """Prefill/decode test workers (``router_pdworker``), closed after the test."""
+    fleet = PdFleet(zctx)
+    yield fleet
+    await fleet.aclose()
 
 
 @pytest.fixture

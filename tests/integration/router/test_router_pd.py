@@ -19,20 +19,13 @@ from typing import Any
 import httpx
 import pytest
 from router_fakeworker import wait_for
-from router_pdworker import NIXL_PREFILL_REQUEST, PdFleet, host_port, sse_events
+from router_pdworker import NIXL_PREFILL_REQUEST, host_port, sse_events
 
 PREFIX = "You are a careful assistant. " * 20  # 580 bytes = 36 full blocks of 16
 BLOCKS = 36
 T = 15.0  # every client call's bound (seconds)
 CHAT = [{"role": "user", "content": PREFIX + "hello"}]
 ALWAYS = {"mode": "always", "protocol": "nixl"}
-
-
-@pytest.fixture
-async def pd(zctx):
-    fleet = PdFleet(zctx)
-    yield fleet
-    await fleet.aclose()
 
 
 @pytest.fixture

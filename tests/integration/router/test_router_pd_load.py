@@ -13,17 +13,9 @@ from typing import Any
 import httpx
 import pytest
 from router_fakeworker import wait_for
-from router_pdworker import PdFleet
 
 PROMPT = "You are a careful assistant. " * 20
 ALWAYS = {"mode": "always", "protocol": "nixl"}
-
-
-@pytest.fixture
-async def pd(zctx: Any) -> Any:
-    fleet = PdFleet(zctx)
-    yield fleet
-    await fleet.aclose()
 
 
 def held(r: Any) -> dict[str, int]:

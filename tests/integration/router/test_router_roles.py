@@ -5,12 +5,8 @@ prefill worker registered at run time takes the prefill leg of the next request.
 
 from __future__ import annotations
 
-from typing import Any
-
 import httpx
-import pytest
 from router_fakeworker import wait_for
-from router_pdworker import PdFleet
 
 
 def err(resp: httpx.Response, status: int) -> str:
@@ -21,13 +17,6 @@ def err(resp: httpx.Response, status: int) -> str:
 async def ready(http: httpx.AsyncClient, url: str) -> tuple[int, list[str]]:
     resp = await http.get(url + "/ready")
     return resp.status_code, resp.json()["waiting_for"]
-
-
-@pytest.fixture
-async def pd(zctx: Any) -> Any:
-    fleet = PdFleet(zctx)
-    yield fleet
-    await fleet.aclose()
 
 
 async def test_workers_api_takes_and_shows_roles(workers, router, http):
