@@ -67,9 +67,12 @@ class KvrouterPdPolicy(KvrouterPolicy):
     def choose(self, tokens: Sequence[int], now: float) -> tuple[int, Any]:
         raise TypeError("a PD fleet places with place_pd (two legs), not place")
 
-    def place_pd(self, tokens: Sequence[int], now: float) -> tuple[int, int | None, PdHandle]:
-        """The decode worker, the prefill worker (None: a local prefill) and the handle."""
-        d = self.placer.place(tokens)
+    def place_pd(
+        self, tokens: Sequence[int], now: float, max_tokens: int | None = None
+    ) -> tuple[int, int | None, PdHandle]:
+        """The decode worker, the prefill worker (None: a local prefill) and the handle;
+        ``max_tokens`` as the live client sends it (the trace's output length)."""
+        d = self.placer.place(tokens, max_tokens=max_tokens)
         pick = self.placer.pick(d)
         self.reasons[pick.reason] += 1
         dw = self._slot[pick.decode.cand.key]

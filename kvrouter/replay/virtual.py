@@ -290,7 +290,7 @@ class _Sim:
         tokens = prompt_tokens(r, self.trace_block, self.blocks)
         req = Request(str(i), tokens, r.output_length, ignore_eos=True)
         if self.pd is not None:
-            w, pw, handle = self.pd.place_pd(tokens, now)
+            w, pw, handle = self.pd.place_pd(tokens, now, r.output_length)
             if pw is not None:  # the prefill leg first, one token, its blocks leased at the end
                 self.legs[i] = (w, tokens)
                 req = Request(f"{_PREFILL}{i}", tokens, 1, ignore_eos=True, kv_hold=True)

@@ -65,6 +65,9 @@ class RouteRequest(msgspec.Struct):
     lora_name: str | None = None
     #: vLLM's per-request cache isolation: salted blocks match only requests with the same salt
     cache_salt: str | None = None
+    #: the answer's bound in tokens, when known: a short answer is the one a prefill beside it
+    #: stalls most (pd.stall_reference_tokens)
+    max_tokens: int | None = None
     account: bool = False
 
 
@@ -76,14 +79,26 @@ _Refused = Annotated[
 
 class _OpenAIBody(msgspec.Struct):
     """What both OpenAI bodies carry that the router reads: ``n`` (several answers: one leg on
-    the decode worker) and the fields that steer a KV transfer, which only the router may set
+    the decode worker), the answer's bound (a prefill beside a short answer stalls it most)
+    and the fields that steer a KV transfer, which only the router may set
     (:data:`router.edge.legs.STEERING`: a client sending one gets 400)."""
 
     n: int | None = None
+    #: read as given (any JSON): the worker judges it, the router only uses an integer
+    max_tokens: Any = None
+    max_completion_tokens: Any = None
     kv_transfer_params: _Refused = None
     bootstrap_host: _Refused = None
     bootstrap_port: _Refused = None
     bootstrap_room: _Refused = None
+
+    def output_bound(self) -> int | None:
+        """The answer's bound in tokens (vLLM's order: ``max_completion_tokens``, then
+        ``max_tokens``); None when the body gives no integer one."""
+        for v in (self.max_completion_tokens, self.max_tokens):
+            if isinstance(v, int) and not isinstance(v, bool):
+                return v
+        return None
 
 
 class CompletionBody(_OpenAIBody):

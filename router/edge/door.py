@@ -156,7 +156,9 @@ async def enter(
             d = placer.place((), None)
         else:
             req, tokens, stream = await request_tokens(state, endpoint, body)
-            d = placer.place(tokens, req.model, req.lora_name, req.cache_salt)
+            d = placer.place(
+                tokens, req.model, req.lora_name, req.cache_salt, max_tokens=req.output_bound()
+            )
         # several answers (n > 1) decode from one prefill on one worker: vLLM's prefill leg
         # would compute one (smg and llm-d keep them whole too)
         whole = req is None or (req.n is not None and req.n > 1)

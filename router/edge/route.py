@@ -66,7 +66,7 @@ def _answer(
     state: Runtime, req: RouteRequest, tokens: list[int] | JsonTokens, t0: float
 ) -> tuple[bytes, list[tuple[str, str]]]:
     placer = state.placer
-    d = placer.place(tokens, req.model, req.lora_name, req.cache_salt)
+    d = placer.place(tokens, req.model, req.lora_name, req.cache_salt, max_tokens=req.max_tokens)
     pick = placer.pick(d)
     dc = pick.decode
     best, c = dc.index, dc.cand

@@ -15,7 +15,16 @@ __all__ = ["Decision"]
 class Decision:
     """One placement: every candidate rank scored, ``order`` = healthy ones best first."""
 
-    __slots__ = ("block_size", "candidates", "hashes", "n", "order", "states", "tokens")
+    __slots__ = (
+        "block_size",
+        "candidates",
+        "hashes",
+        "n",
+        "order",
+        "stall_weight",
+        "states",
+        "tokens",
+    )
 
     def __init__(
         self,
@@ -34,3 +43,5 @@ class Decision:
         self.order = order
         self.states = states  # per candidate: its worker
         self.block_size = block_size
+        #: what a prefill where it runs costs this request (router.placement.pd.stall_weight)
+        self.stall_weight = 1.0

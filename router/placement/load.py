@@ -6,7 +6,11 @@ A routed request counts on its worker from the moment it is placed:
   first token comes back (``first_token``);
 - *active*: its blocks until it completes (``finish``). ``active_blocks`` counts distinct blocks —
   requests sharing a prefix share its KV blocks in a paged engine — plus one per request for its
-  partial / decode block.
+  partial / decode block;
+- *stall*: its stall weight until it completes — what a prefill on the worker costs it, as it
+  decodes there during that prefill (:func:`router.placement.pd.stall_weight`: a short answer
+  suffers most). Counted from the placement, not the first token: a request still prefilling,
+  here or on a prefill worker, decodes here while a prefill placed now runs.
 
 ``shared(key, hashes)`` tells how many leading blocks of a new request are already active (and
 being prefilled) on a worker: the scorer takes those off the load the request competes with.
@@ -34,12 +38,12 @@ class TicketState(enum.IntEnum):
 
 
 class WorkerLoad:
-    __slots__ = ("active", "decoding", "inflight_prefill", "prefilling", "requests")
+    __slots__ = ("active", "inflight_prefill", "prefilling", "requests", "stall")
 
     def __init__(self) -> None:
         self.inflight_prefill = 0.0
         self.requests = 0
-        self.decoding = 0  # of those, past their first token (a prefill here stalls their steps)
+        self.stall = 0.0  # the stall weights of those requests (a prefill here stalls their steps)
         self.active: dict[int, int] = {}  # router hash -> refcount
         self.prefilling: dict[
             int, int
@@ -51,7 +55,7 @@ class WorkerLoad:
 
 
 class Ticket:
-    __slots__ = ("hashes", "id", "key", "prefill", "prefill_hashes", "state")
+    __slots__ = ("hashes", "id", "key", "prefill", "prefill_hashes", "state", "weight")
 
     def __init__(
         self,
@@ -60,8 +64,10 @@ class Ticket:
         hashes: Sequence[int],
         prefill: float,
         prefill_hashes: Sequence[int],
+        weight: float = 1.0,
     ) -> None:
         self.id = id
+        self.weight = weight
         self.key = key
         self.hashes = hashes
         self.prefill = prefill
@@ -127,15 +133,22 @@ class LoadLedger:
         return a, p
 
     def start(
-        self, key: WorkerKey, hashes: Sequence[int], prefill: float, matched_blocks: int
+        self,
+        key: WorkerKey,
+        hashes: Sequence[int],
+        prefill: float,
+        matched_blocks: int,
+        weight: float = 1.0,
     ) -> Ticket:
         """Count a request placed on ``key``: ``prefill`` blocks to build, of which the blocks
-        from ``matched_blocks`` on are not held anywhere on the worker yet."""
+        from ``matched_blocks`` on are not held anywhere on the worker yet; ``weight``: its
+        stall weight."""
         ld = self._loads.get(key)
         if ld is None:
             ld = self._loads[key] = WorkerLoad()
-        t = Ticket(next(self._ids), key, hashes, max(0.0, prefill), hashes[matched_blocks:])
+        t = Ticket(next(self._ids), key, hashes, max(0.0, prefill), hashes[matched_blocks:], weight)
         ld.requests += 1
+        ld.stall += weight
         ld.inflight_prefill += t.prefill
         _inc(ld.active, hashes)
         _inc(ld.prefilling, t.prefill_hashes)
@@ -148,7 +161,6 @@ class LoadLedger:
         ld = self._loads.get(t.key)
         if ld is None:
             return
-        ld.decoding += 1
         ld.inflight_prefill -= t.prefill
         if ld.inflight_prefill < 1e-9:
             ld.inflight_prefill = 0.0
@@ -163,7 +175,9 @@ class LoadLedger:
         if ld is None:
             return
         ld.requests -= 1
-        ld.decoding -= 1
+        ld.stall -= t.weight
+        if ld.stall < 1e-9:
+            ld.stall = 0.0
         _dec(ld.active, t.hashes)
         if ld.requests <= 0 and not ld.active:
             del self._loads[t.key]

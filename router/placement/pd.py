@@ -12,8 +12,12 @@ held, whatever it costs to load):
 - ``threshold`` (Dynamo's and llm-d's kind): remote when the decode worker lacks at least
   ``min_remote_tokens`` tokens and at least ``min_remote_ratio`` of the prompt;
 - ``cost``: local = (D's queued prefill + the tokens D lacks + loading what D holds off-GPU)
-  × (1 + ``decode_interference`` × the requests decoding on D: a prefill stalls each of their
-  steps, so the more D carries, the dearer a prefill there);
+  × (1 + ``decode_interference`` × the stall weights of the requests on D: a prefill stalls each
+  of their steps, so the more D carries, the dearer a prefill there). A request's weight
+  (:func:`stall_weight`) is ``stall_reference_tokens`` / (its ``max_tokens`` − 1), at most
+  ``MAX_STALL_WEIGHT``, 1 without ``max_tokens``: a stall of t adds t / (L − 1) to the time per
+  output token of an answer of L tokens, so a short answer suffers it most (in the replay the
+  answers of under 40 tokens stalled by a long prefill were the whole TPOT tail);
   remote = P's queued prefill + the tokens P lacks + P's loads + ``transfer_cost`` × the tokens
   D lacks + ``hop_cost_tokens``; the cheaper wins;
 - ``always`` / ``never``.
@@ -34,9 +38,22 @@ from router.placement.ports import WorkerView
 from router.placement.scoring import Candidate, ScoreWeights
 from router.settings.pd import PdSettings
 
-__all__ = ["AGGREGATED", "LOCAL", "REMOTE", "Choice", "Pick", "cached_tokens", "pick"]
+__all__ = [
+    "AGGREGATED",
+    "LOCAL",
+    "MAX_STALL_WEIGHT",
+    "REMOTE",
+    "Choice",
+    "Pick",
+    "cached_tokens",
+    "pick",
+    "stall_weight",
+]
 
 AGGREGATED, LOCAL, REMOTE = "aggregated", "local", "remote"
+#: the most one request weighs: the price of stalling it stays bounded, whatever its max_tokens
+#: (at the reference 200, answers of up to 51 tokens weigh this)
+MAX_STALL_WEIGHT = 4.0
 
 
 class Choice:
@@ -101,6 +118,17 @@ class Pick:
         self.mode, self.fallback = LOCAL, cause
 
 
+def stall_weight(max_tokens: int | None, reference: int) -> float:
+    """What a prefill on its worker costs one request, in requests of ``reference`` output
+    tokens (the module docstring): 1 when its ``max_tokens`` is unknown; 0 for a single token
+    (no stream to stall)."""
+    if max_tokens is None:
+        return 1.0
+    if max_tokens < 2:
+        return 0.0
+    return min(MAX_STALL_WEIGHT, reference / (max_tokens - 1))
+
+
 def cached_tokens(cand: Candidate, tokens: int, block_size: int) -> int:
     """Prompt tokens a rank can reuse: whole matched blocks, never the last prompt token (an
     engine always computes it)."""
@@ -160,7 +188,7 @@ def pick(
     else:
         u = p.uncached_decode
         local = (_queued(dc) * block_size + u + _loads(dc, weights, block_size)) * (
-            1 + pd.decode_interference * dc.decoding
+            1 + pd.decode_interference * dc.stall
         )
         remote = (
             _queued(pc) * block_size

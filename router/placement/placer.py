@@ -35,7 +35,7 @@ from router.placement.decision import Decision
 from router.placement.flight import Admission, Flight, RouteAccounts
 from router.placement.load import LoadLedger, Ticket
 from router.placement.loop import AgreementLoop
-from router.placement.pd import Pick
+from router.placement.pd import Pick, stall_weight
 from router.placement.pd import pick as pd_pick
 from router.placement.ports import (
     NO_LISTENER,
@@ -138,9 +138,12 @@ class Placer:
         model: str | None = None,
         lora_name: str | None = None,
         cache_salt: str | None = None,
+        max_tokens: int | None = None,
     ) -> Decision:
         """Score every rank that may serve ``model``. Raises :class:`router.errors.NotFound` for
-        an unknown model; an empty ``order`` means no healthy worker (the caller answers 503)."""
+        an unknown model; an empty ``order`` means no healthy worker (the caller answers 503).
+        ``max_tokens``: the request's bound on its answer, when it gives one (its stall weight
+        where it runs: :func:`router.placement.pd.stall_weight`)."""
         t0 = self.timer()
         states = self.fleet.candidates(model)
         index = self.index
@@ -180,9 +183,9 @@ class Placer:
                 wm = matches.get(key, _NO_MATCH)
                 ld = load_get(key)
                 if ld is None:
-                    prefill, active, shared, decoding = 0.0, 0, _NO_SHARED, 0
+                    prefill, active, shared, stall = 0.0, 0, _NO_SHARED, 0.0
                 else:
-                    prefill, active, decoding = ld.inflight_prefill, ld.active_blocks, ld.decoding
+                    prefill, active, stall = ld.inflight_prefill, ld.active_blocks, ld.stall
                     shared = load.shared(key, hashes)
                 candidates.append(
                     Candidate(
@@ -198,7 +201,7 @@ class Placer:
                         st.scraped,
                         wh,
                         capacity(key),
-                        decoding,
+                        stall,
                     )
                 )
                 cand_hashes.append(hashes)
@@ -223,7 +226,9 @@ class Placer:
             lane=self.lane,
         )
         self.metrics.decided(self.timer() - t0)
-        return Decision(n, candidates, cand_hashes, order, cand_states, index.block_size, count)
+        d = Decision(n, candidates, cand_hashes, order, cand_states, index.block_size, count)
+        d.stall_weight = stall_weight(max_tokens, self.config.pd.stall_reference_tokens)
+        return d
 
     def pick(
         self,
@@ -268,17 +273,19 @@ class Placer:
         ratio = c.matched_blocks / d.n if committed and d.n else None
         self.metrics.routed(c.key[0], kind, ratio)
 
-    def commit(self, d: Decision, i: int, *, kind: str, remote_prefill: bool = False) -> Ticket:
-        """Account the request on candidate ``i`` and predict its blocks there.
-        ``remote_prefill``: the decode leg of a remote pick, whose prompt another worker
-        prefills: it builds nothing here (its KV arrives by transfer), but holds it all, and
-        the worker stores what it pulled (vLLM's decode worker publishes it)."""
+    def commit(self, d: Decision, i: int, *, kind: str, leg: str = "") -> Ticket:
+        """Account the request on candidate ``i`` and predict its blocks there. ``leg``
+        ``decode``: the decode leg of a remote pick, whose prompt another worker prefills: it
+        builds nothing here (its KV arrives by transfer), but holds it all, and the worker
+        stores what it pulled (vLLM's decode worker publishes it); ``prefill``: the prefill
+        leg, one token, so no stream a prefill there would stall."""
         c = d.candidates[i]
         hashes = d.hashes[i]
-        if remote_prefill:
-            t = self.load.start(c.key, hashes, 0.0, len(hashes))
+        weight = 0.0 if leg == "prefill" else d.stall_weight
+        if leg == "decode":
+            t = self.load.start(c.key, hashes, 0.0, len(hashes), weight)
         else:
-            t = self.load.start(c.key, hashes, d.n - c.credited, c.matched_blocks)
+            t = self.load.start(c.key, hashes, d.n - c.credited, c.matched_blocks, weight)
         try:
             slot = self.index.slot(c.key)
         except KeyError:
@@ -314,7 +321,7 @@ class Placer:
         if t0 is None:
             t0 = self.timer()
         c = d.candidates[i]
-        ticket = self.commit(d, i, kind=kind, remote_prefill=leg == "decode")
+        ticket = self.commit(d, i, kind=kind, leg=leg)
         predicted_tokens = reusable_tokens(c.matched_blocks, d.tokens, d.block_size)
         f = Flight(
             self.load,

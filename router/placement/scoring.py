@@ -110,7 +110,7 @@ class Candidate(msgspec.Struct, gc=False):
     scraped: ScrapedLoad | None = None
     whash: int = -1  # worker_hash(key), precomputed by the caller; -1: compute here
     capacity: int = 0  # router blocks the rank's GPU KV holds; 0: not known
-    decoding: int = 0  # requests placed there past their first token (the load ledger's)
+    stall: float = 0.0  # the stall weights of the requests placed there (the load ledger's)
     # outputs, set by score()
     credited: float = 0.0
     cost: float = math.inf

@@ -44,6 +44,10 @@ class PdSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     #: against this request's own wait: 2,000 ms / (L x 50 ms) for outputs of L = 150-350 tokens
     #: is 0.1-0.3
     decode_interference: float = 0.2
+    #: cost mode: the answer length (output tokens) ``decode_interference`` prices; a request with
+    #: ``max_tokens`` L counts this / (L - 1) requests of it (at most 4), one without counts 1: a
+    #: stall of t adds t / (L - 1) to an answer's time per output token
+    stall_reference_tokens: int = 200
     #: the prefill leg's deadline, under the prefill worker's block lease (vLLM: 30 s)
     prefill_timeout_s: float = 25.0
     #: prefill workers tried after the first fails (5xx or transport) before prefilling on D
@@ -58,5 +62,6 @@ class PdSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         _check(self.transfer_cost >= 0, "transfer_cost", "must be >= 0")
         _check(self.hop_cost_tokens >= 0, "hop_cost_tokens", "must be >= 0")
         _check(self.decode_interference >= 0, "decode_interference", "must be >= 0")
+        _check(self.stall_reference_tokens >= 1, "stall_reference_tokens", "must be >= 1")
         _check(self.prefill_timeout_s > 0, "prefill_timeout_s", "must be > 0")
         _check(0 <= self.prefill_retries <= 4, "prefill_retries", "must be between 0 and 4")

@@ -3,6 +3,8 @@ is prefilled on a prefill worker, the router's load ledger holds the request on 
 too, so the requests placed meanwhile see that worker loaded. Before, the decode leg's ticket
 began only once the prefill answered, and requests placed during a prefill herded onto one decode
 worker (live, conversation 5:3: 6.4 sequences a decode step against 4.5 under vllm-router).
+Each request weighs there what a prefill beside it would cost it, from the body's ``max_tokens``
+(router.placement.pd.stall_weight); its prefill leg weighs nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ def held(r: Any) -> dict[str, int]:
     return {key[0]: ld.requests for key, ld in r.state.placer.load.items()}
 
 
+def stalls(r: Any) -> dict[str, float]:
+    """The stall weights on each worker in the router's load ledger."""
+    return {key[0]: ld.stall for key, ld in r.state.placer.load.items()}
+
+
 async def test_the_decode_worker_is_held_while_the_prompt_is_prefilled(pd, router):
     p = await pd.nixl_prefill("p0")
     d0, d1 = await pd.nixl_decode("d0"), await pd.nixl_decode("d1")
@@ -35,11 +42,16 @@ async def test_the_decode_worker_is_held_while_the_prompt_is_prefilled(pd, route
         now = held(r)
         assert now.get("p0") == 1
         assert now.get("d0", 0) + now.get("d1", 0) == 1  # its decode worker, before its KV
+        first_d = "d0" if now.get("d0") else "d1"
+        # 4 tokens: 200 / 3 stalls of the reference answer, at most 4; none for the prefill leg
+        assert stalls(r) == {"p0": 0.0, first_d: 4.0}
         # a second request, placed now, sees it: it takes the other decode worker
-        body2 = {**body, "prompt": "Another conversation entirely. " * 20}
+        body2 = {**body, "prompt": "Another conversation entirely. " * 20, "max_tokens": 201}
         second = asyncio.create_task(client.post(r.url + "/v1/completions", json=body2))
         await wait_for(lambda: len(p.seen) == 2, 10, "the second prefill leg at p0")
         assert held(r) == {"p0": 2, "d0": 1, "d1": 1}
+        other = "d1" if first_d == "d0" else "d0"
+        assert stalls(r) == {"p0": 0.0, first_d: 4.0, other: 1.0}
         # the client leaves during the prefill: both legs end, nothing reached the decode worker
         first.cancel()
         second.cancel()

@@ -80,3 +80,24 @@ def test_decode_route_cuts_the_array_out_or_decodes_the_whole_body(c_path, monke
     # no top-level array: no tokens (the caller tokenizes the prompt or says what is missing)
     for body in (b'{"prompt": "x"}', b'{"x": {"token_ids": [1]}}', b'{"token_ids": null}'):
         assert api.decode_route(body)[1] is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "bound"),
+    [
+        ({"max_tokens": 11}, 11),
+        ({"max_completion_tokens": 7, "max_tokens": 11}, 7),  # vLLM's order
+        ({}, None),
+        # not an integer: forwarded as sent for the worker to judge, and no bound here
+        ({"max_tokens": "11"}, None),
+        ({"max_tokens": True}, None),
+        ({"max_tokens": 11.5}, None),
+        ({"max_completion_tokens": None, "max_tokens": 3}, 3),
+    ],
+)
+def test_the_answers_bound_is_read_never_refused(fields, bound):
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+    assert decode(json.dumps(chat).encode(), api.ChatBody).output_bound() == bound
+    if "max_completion_tokens" not in fields:
+        completion = {"model": "m", "prompt": "hi", **fields}
+        assert decode(json.dumps(completion).encode(), api.CompletionBody).output_bound() == bound

@@ -48,22 +48,23 @@ def test_load_accounting_prefill_until_first_token_active_until_finish():
     t = LoadLedger()
     key = ("a", 0)
     x = t.start(key, [1, 2, 3, 4], prefill=3.0, matched_blocks=1)
-    y = t.start(key, [1, 2, 9], prefill=1.0, matched_blocks=2)
+    y = t.start(key, [1, 2, 9], prefill=1.0, matched_blocks=2, weight=2.5)
     ld = t.get(key)
     assert ld is not None
     assert ld.inflight_prefill == 4.0
     assert ld.active_blocks == 5 + 2  # distinct blocks {1,2,3,4,9} + one per request
     assert t.shared(key, [1, 2, 3, 7]) == (3, 2)  # 1-3 active; 2 and 3 still being built by x
     assert t.shared(("b", 0), [1]) == (0, 0)
-    assert ld.decoding == 0
+    # both will decode here while a prefill placed now runs: their weights count from the start
+    assert ld.stall == 1.0 + 2.5
     t.first_token(x)
     t.first_token(x)  # idempotent
-    assert ld.inflight_prefill == 1.0 and ld.decoding == 1
+    assert ld.inflight_prefill == 1.0 and ld.stall == 3.5
     assert t.shared(key, [1, 2, 3]) == (3, 0)
     t.finish(x)
-    assert ld.active_blocks == 3 + 1 and t.inflight("a") == 1 and ld.decoding == 0
+    assert ld.active_blocks == 3 + 1 and t.inflight("a") == 1 and ld.stall == 2.5
     t.finish(y)  # finished before any first token (an error): it decoded, then ended
-    assert ld.decoding == 0
+    assert ld.stall == 0.0
     t.finish(y)
     assert t.get(key) is None
 

@@ -126,7 +126,7 @@ def test_cost_mode_weighs_queues_interference_and_the_transfer() -> None:
     p = placer.pick(placer.place(PROMPT))  # D lacks 640, P lacks 640: the hop is not worth it
     assert (p.mode, p.reason) == (LOCAL, "cost_local")
     assert p.remote_cost == pytest.approx(640 + 0.1 * 640 + 64) and p.local_cost == 640
-    # D decoding: a local prefill stalls its steps, 1 + 0.2 per request decoding there; remote
+    # D busy: a local prefill stalls its steps, 1 + 0.2 per request there (no max_tokens); remote
     # costs 640 + 64 + 64 = 768: one request decoding keeps it local (x 1.2 = 768 ties, and a
     # tie stays local), two send it remote
     flights = []
@@ -147,6 +147,34 @@ def test_cost_mode_weighs_queues_interference_and_the_transfer() -> None:
     store(placer, "p", 39)
     q = placer.pick(placer.place(PROMPT))
     assert q.uncached_prefill == 640 - 39 * BS and q.remote_cost < p.remote_cost
+
+
+@pytest.mark.parametrize(
+    ("max_tokens", "weight", "mode"),
+    [(None, 1.0, LOCAL), (1, 0.0, LOCAL), (401, 0.5, LOCAL), (11, 4.0, REMOTE)],
+)
+def test_a_short_answer_on_the_decode_worker_makes_a_prefill_there_dearer(
+    max_tokens: int | None, weight: float, mode: str
+) -> None:
+    placer, _ = build({"p": "prefill", "d": "decode"}, mode="cost")
+    busy = placer.place(list(range(9000, 9000 + 4 * BS)), max_tokens=max_tokens)
+    placer.fly(busy, placer.pick(busy).decode.index, "proxy").first_byte()  # queues nothing
+    p = placer.pick(placer.place(PROMPT))
+    # 200 reference tokens / (max_tokens - 1), at most 4; unknown: 1; one token: no stream
+    assert p.decode.cand.stall == weight
+    # remote costs 640 + 64 + 64 = 768, local 640 x (1 + 0.2 x weight); a tie stays local
+    assert p.local_cost == pytest.approx(640 * (1 + 0.2 * weight))
+    assert p.mode == mode
+
+
+def test_a_prefill_leg_weighs_nothing_where_it_runs() -> None:
+    # a 'both' worker prefilling for another decodes nothing of that request: no stream stalls
+    placer, _ = build({"b": "both", "d": "decode"}, mode="always")
+    d = placer.place(PROMPT, max_tokens=11)
+    at = {st.id: i for i, st in enumerate(d.states)}
+    placer.fly(d, at["d"], "proxy", leg="decode")
+    placer.fly(d, at["b"], "proxy", leg="prefill")
+    assert {k[0]: ld.stall for k, ld in placer.load.items()} == {"d": 4.0, "b": 0.0}
 
 
 def test_the_prefill_worker_is_the_one_with_least_prefill_work() -> None:
