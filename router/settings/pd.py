@@ -38,11 +38,11 @@ class PdSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     transfer_cost: float = 0.1
     #: cost mode: the second leg's fixed price (a round trip, a handshake), in prompt tokens
     hop_cost_tokens: int = 64
-    #: cost mode: how much more a prefill token on a decode worker costs per request decoding
-    #: there (it stalls every decoding sequence of the steps it lands in). A stall of t spreads
-    #: over a sequence's output: TTFT objective / (output tokens x TPOT objective) prices it
-    #: against this request's own wait: 2,000 ms / (L x 50 ms) for outputs of L = 150-350 tokens
-    #: is 0.1-0.3
+    #: cost mode: how much more a prefill token on a decode worker costs per request there of
+    #: ``stall_reference_tokens`` output tokens (it stalls every decoding sequence of the steps it
+    #: lands in). A stall of t spreads over a sequence's output: TTFT objective / (output tokens x
+    #: TPOT objective) prices it against this request's own wait: 2,000 ms / (L x 50 ms) for
+    #: outputs of L = 150-350 tokens is 0.1-0.3
     decode_interference: float = 0.2
     #: cost mode: the answer length (output tokens) ``decode_interference`` prices; a request with
     #: ``max_tokens`` L counts this / (L - 1) requests of it (at most 4), one without counts 1: a
