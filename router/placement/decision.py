@@ -19,9 +19,9 @@ class Decision:
         "block_size",
         "candidates",
         "hashes",
+        "max_tokens",
         "n",
         "order",
-        "stall_weight",
         "states",
         "tokens",
     )
@@ -35,6 +35,7 @@ class Decision:
         states: list[WorkerView],
         block_size: int,
         tokens: int,
+        max_tokens: int | None = None,
     ) -> None:
         self.n = n  # request blocks (full blocks of the prompt)
         self.tokens = tokens  # prompt length
@@ -43,5 +44,5 @@ class Decision:
         self.order = order
         self.states = states  # per candidate: its worker
         self.block_size = block_size
-        #: what a prefill where it runs costs this request (router.placement.pd.stall_weight)
-        self.stall_weight = 1.0
+        #: the answer's bound, when the request gives one (router.placement.pd.stall_weight)
+        self.max_tokens = max_tokens

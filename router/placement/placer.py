@@ -226,9 +226,9 @@ class Placer:
             lane=self.lane,
         )
         self.metrics.decided(self.timer() - t0)
-        d = Decision(n, candidates, cand_hashes, order, cand_states, index.block_size, count)
-        d.stall_weight = stall_weight(max_tokens, self.config.pd.stall_reference_tokens)
-        return d
+        return Decision(
+            n, candidates, cand_hashes, order, cand_states, index.block_size, count, max_tokens
+        )
 
     def pick(
         self,
@@ -281,7 +281,10 @@ class Placer:
         leg, one token, so no stream a prefill there would stall."""
         c = d.candidates[i]
         hashes = d.hashes[i]
-        weight = 0.0 if leg == "prefill" else d.stall_weight
+        if leg == "prefill":
+            weight = 0.0
+        else:
+            weight = stall_weight(d.max_tokens, self.config.pd.stall_reference_tokens)
         if leg == "decode":
             t = self.load.start(c.key, hashes, 0.0, len(hashes), weight)
         else:
