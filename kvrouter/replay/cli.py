@@ -90,6 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     a("--config", help="router YAML whose scoring policy kvrouter uses")
     a("--seed", type=int, default=0, help="for the random choices (default 0)")
     a("--json", metavar="PATH", help="write the table and the arguments here")
+    a("--dump-requests", metavar="PATH", help="one JSON line per request of every run, here")
     a("--plots", metavar="DIR", help="write ttft_cdf.png and hit_rate.png here")
     a("--no-progress", action="store_true", help="no progress on stderr")
     a(
@@ -232,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (TraceError, ValueError, ConfigError) as e:
         print(f"kvrouter replay: {e}", file=sys.stderr)
         return 2
-    from kvrouter.replay.report import error_kinds, format_table, row, write_json
+    from kvrouter.replay.report import error_kinds, format_table, row, write_json, write_requests
 
     ideal = ideal_hit(reqs, args.trace_block)
     capacity = args.workers * args.gpu_blocks * args.block_size
@@ -276,6 +277,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.mode == "virtual":
             meta["wall_s"] = {r.policy: round(r.wall_s, 1) for r in runs}
         write_json(args.json, meta, table)
+    if args.dump_requests:
+        write_requests(args.dump_requests, runs, args.start)
     if args.plots:
         from kvrouter.replay.plots import plot
 
@@ -291,6 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run_virtual(args: argparse.Namespace, reqs: list[TraceRequest], names: list[str]) -> list:
     from kvrouter.replay.factory import VIRTUAL_POLICIES
     from kvrouter.replay.faults import faults_of
+    from kvrouter.replay.replicas import replica_runs
     from kvrouter.replay.report import Progress
     from kvrouter.replay.virtual import VirtualFleet, run_virtual
     from router.settings import load_settings
@@ -318,7 +322,7 @@ def _run_virtual(args: argparse.Namespace, reqs: list[TraceRequest], names: list
         return run_pd(args, reqs, names, fleet, settings)
     out = []
     for name in names:
-        for replicas in _router_replicas(args) if name == "kvrouter" else [None]:
+        for replicas in replica_runs(args) if name == "kvrouter" else [None]:
             label = replicas.label if replicas is not None else name
             tick = None if args.no_progress else Progress(label, len(reqs))
             out.append(
@@ -334,19 +338,6 @@ def _run_virtual(args: argparse.Namespace, reqs: list[TraceRequest], names: list
                 )
             )
     return out
-
-
-def _router_replicas(args: argparse.Namespace) -> list[Any]:
-    """Policy kvrouter's runs: one router, then (``--router-replicas`` > 1) R of them, synced,
-    not synced, or both (:mod:`kvrouter.replay.replicas`)."""
-    from kvrouter.replay.replicas import RouterReplicas
-
-    one = RouterReplicas(1)
-    if args.router_replicas == 1:
-        return [one]
-    syncs = {"on": [True], "off": [False], "both": [True, False]}[args.replica_sync]
-    delay = args.sync_delay_ms / 1000
-    return [one, *(RouterReplicas(args.router_replicas, s, delay) for s in syncs)]
 
 
 def _run_live(args: argparse.Namespace, reqs: list[TraceRequest], names: list[str]) -> list:

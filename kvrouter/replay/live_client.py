@@ -51,6 +51,10 @@ class LiveOutcome:
     cached_tokens: int = 0
     output_tokens: int = 0
     worker: str | None = None
+    #: a PD fleet's decision as the router answered it (``x-kvrouter-pd``: local, remote) and
+    #: the prefill worker of a remote one (``x-kvrouter-prefill-worker``)
+    pd: str | None = None
+    prefill_worker: str | None = None
     error: str | None = None
 
 
@@ -109,6 +113,8 @@ async def _one(
     try:
         async with client.stream("POST", url + "/v1/completions", json=body) as r:
             out.worker = r.headers.get("x-kvrouter-worker", out.worker)
+            out.pd = r.headers.get("x-kvrouter-pd")
+            out.prefill_worker = r.headers.get("x-kvrouter-prefill-worker")
             if r.status_code != 200:
                 text = (await r.aread()).decode(errors="replace")
                 out.error = f"HTTP {r.status_code}: {text[:200]}"

@@ -34,7 +34,7 @@ from kvrouter.replay.policies import KvrouterPolicy, Policy
 from router.placement import EventLog, RemoteEvent
 from router.settings import Settings
 
-__all__ = ["ReplicatedKvrouterPolicy", "RouterReplicas"]
+__all__ = ["ReplicatedKvrouterPolicy", "RouterReplicas", "replica_runs"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,17 @@ class RouterReplicas:
         if self.count == 1:
             return "kvrouter"
         return f"kvrouter ({self.count} replicas, {'sync' if self.sync else 'no sync'})"
+
+
+def replica_runs(args: Any) -> list[RouterReplicas]:
+    """Policy kvrouter's runs from ``kvrouter replay``'s arguments: one router, then
+    (``--router-replicas`` > 1) R of them, synced, not synced, or both (``--replica-sync``)."""
+    one = RouterReplicas(1)
+    if args.router_replicas == 1:
+        return [one]
+    syncs = {"on": [True], "off": [False], "both": [True, False]}[args.replica_sync]
+    delay = args.sync_delay_ms / 1000
+    return [one, *(RouterReplicas(args.router_replicas, s, delay) for s in syncs)]
 
 
 class ReplicatedKvrouterPolicy(Policy):

@@ -25,7 +25,16 @@ from kvrouter.replay.fleet import EngineCounters
 from kvrouter.replay.live_client import LiveOutcome
 from kvrouter.replay.slo import DEFAULT_SLO, Slo, good, tpot_s
 
-__all__ = ["Progress", "Run", "error_kinds", "format_table", "row", "span_s", "write_json"]
+__all__ = [
+    "Progress",
+    "Run",
+    "error_kinds",
+    "format_table",
+    "row",
+    "span_s",
+    "write_json",
+    "write_requests",
+]
 
 
 class Run(Protocol):
@@ -128,6 +137,39 @@ def write_json(path: str | Path, meta: dict[str, Any], table: Sequence[dict[str,
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps({**meta, "table": list(table)}, indent=1))
+
+
+def write_requests(path: str | Path, runs: Sequence[Run], first: int = 0) -> int:
+    """One JSON line per request of every run (``--dump-requests``): where it went and how it
+    fared, so a table's tail can be read request by request (which answers a TPOT p99 is made
+    of, and beside what). ``first``: the trace record of a run's first request. Times in ms;
+    ``tpot_ms`` is null for an answer of one token. Returns the lines written."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    n = 0
+    with p.open("w") as f:
+        for run in runs:
+            for o in run.outcomes:
+                times = (o.ttft_s, o.e2e_s, tpot_s(o))
+                ms = [None if x is None else round(x * 1000, 2) for x in times]
+                line = {
+                    "policy": run.policy,
+                    "record": first + o.index,
+                    "worker": o.worker,
+                    "pd": o.pd,
+                    "prefill_worker": o.prefill_worker,
+                    "prompt_tokens": o.prompt_tokens,
+                    "cached_tokens": o.cached_tokens,
+                    "output_tokens": o.output_tokens,
+                    "late_ms": round(o.late_s * 1000, 2),
+                    "ttft_ms": ms[0],
+                    "e2e_ms": ms[1],
+                    "tpot_ms": ms[2],
+                    "error": o.error,
+                }
+                f.write(json.dumps(line) + "\n")
+                n += 1
+    return n
 
 
 class Progress:

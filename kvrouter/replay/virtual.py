@@ -291,10 +291,11 @@ class _Sim:
         req = Request(str(i), tokens, r.output_length, ignore_eos=True)
         if self.pd is not None:
             w, pw, handle = self.pd.place_pd(tokens, now, r.output_length)
+            self.outcomes[i].pd = handle.pick.mode
             if pw is not None:  # the prefill leg first, one token, its blocks leased at the end
                 self.legs[i] = (w, tokens)
                 req = Request(f"{_PREFILL}{i}", tokens, 1, ignore_eos=True, kv_hold=True)
-                w = pw
+                self.outcomes[i].prefill_worker, w = f"w{pw}", pw
         else:
             w, handle = self.policy.place(tokens, now)
         out = self.outcomes[i]
@@ -330,7 +331,8 @@ class _Sim:
             self.fallbacks += 1
             self.legs.pop(i)
             self.pd.decode_sent(handle, now, fallback="no_params")
-            self.outcomes[i].worker = f"w{dw}"
+            out = self.outcomes[i]  # (as the router's headers say after a fallback)
+            out.worker, out.pd, out.prefill_worker = f"w{dw}", handle.pick.mode, None
             self.submit(i, dw, Request(str(i), tokens, self.requests[i].output_length,
                                        ignore_eos=True), now)  # fmt: skip
             return

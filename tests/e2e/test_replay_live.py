@@ -67,6 +67,7 @@ def test_live_pd_fleet_pulls_every_prompt_and_reports_its_counters(tmp_path: Pat
     for o in run.outcomes:
         assert o.error is None, (o.error, (tmp_path / "children.log").read_text()[-2000:])
         assert o.output_tokens == 2 and o.worker == "decode-0"
+        assert (o.pd, o.prefill_worker) == ("remote", "prefill-0")  # (the router's headers)
     assert run.policy == "kvrouter 1:1 always"
     assert [(e.role, e.requests) for e in run.engines] == [("prefill", 6), ("decode", 6)]
     extra = run.extra

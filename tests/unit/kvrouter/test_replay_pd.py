@@ -200,3 +200,33 @@ def test_a_burst_placed_while_prompts_prefill_spreads_over_the_decode_engines() 
     run = run_virtual(burst, "kvrouter", fleet, trace_block=TB, settings=_settings("always"))
     assert run.extra["remote_%"] == 100.0
     assert sorted(o.worker for o in run.outcomes) == ["w1"] * 4 + ["w2"] * 4
+
+
+def test_the_request_dump_says_where_each_request_went_and_how_it_fared(tmp_path: Path) -> None:
+    """``--dump-requests``: one line per request of the run, its decision (a remote one names its
+    prefill engine, never the decode engine), and the times the table's columns are made of."""
+    trace = tmp_path / "t.jsonl"
+    with open(trace, "w") as f:
+        for r in _workload():
+            row = {"timestamp": int(r.arrival_s * 1000), "input_length": r.input_length,
+                   "output_length": r.output_length, "hash_ids": list(r.hash_ids)}  # fmt: skip
+            f.write(json.dumps(row) + "\n")
+    dump, out = tmp_path / "d" / "requests.jsonl", tmp_path / "pd.json"
+    argv = ["--trace", str(trace), "--trace-block", str(TB), "--gpu-blocks", "2048", "--pd",
+            "1:2", "--pd-mode", "threshold", "--start", "2", "--no-progress", "--json", str(out), "--dump-requests",
+            str(dump)]  # fmt: skip
+    assert main(argv) == 0
+    lines = [json.loads(x) for x in dump.read_text().splitlines()]
+    (row,) = json.loads(out.read_text())["table"]
+    assert [x["record"] for x in lines] == list(range(2, 12))
+    assert {x["policy"] for x in lines} == {row["policy"]}
+    remote = [x for x in lines if x["pd"] == "remote"]
+    assert len(remote) == round(row["remote_%"] / 10) and 0 < len(remote) < 10, lines
+    assert all(x["pd"] in ("local", "remote") and x["error"] is None for x in lines)
+    for x in lines:
+        assert (x["prefill_worker"] is not None) == (x["pd"] == "remote")
+        assert x["prefill_worker"] != x["worker"] and x["output_tokens"] == 8
+        assert x["e2e_ms"] > x["ttft_ms"] > 0
+        assert x["tpot_ms"] == pytest.approx((x["e2e_ms"] - x["ttft_ms"]) / 7, abs=0.01)
+    tpots = sorted(x["tpot_ms"] for x in lines)
+    assert row["tpot_p99_ms"] == pytest.approx(tpots[-1], abs=0.06)  # (p99 of 10: the worst)
