@@ -27,7 +27,11 @@ import uvicorn
 from engine.config import ConfigError, EngineConfig, ServerSettings
 from engine.register import RegistrationError, deregister, register
 
-__all__ = ["build_parser", "main", "parse_args"]
+__all__ = ["TORCH_DECODE_STAGING", "build_parser", "main", "parse_args"]
+
+#: a torch decode engine's default staging slots: 1,024 blocks (16k tokens at block size 16),
+#: about 200 MB pinned for a 0.5B model's 12 KiB of KV a token
+TORCH_DECODE_STAGING = 1024
 
 log = logging.getLogger("engine.cli")
 
@@ -58,8 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     a(
         "--staging-blocks",
         type=int,
-        help="host slots for DISK/EXTERNAL copies and pulled KV (default: 64; a decode engine's: "
-        "--gpu-blocks, so a pulled prompt that fits the GPU is loaded whole)",
+        help="host slots for DISK/EXTERNAL copies and pulled KV, which loads through them chunk "
+        "by chunk (default: 64; a decode engine's: --gpu-blocks with the sim runner, at most "
+        f"{TORCH_DECODE_STAGING} with the torch runner, whose slots are pinned KV blocks)",
     )
     a("--disk-dir", help="DISK tier directory (emptied at start)")
     a("--disk-blocks", type=int, default=8192)
@@ -138,13 +143,19 @@ def _endpoint(value: str | None) -> str | None:
 
 
 def _staging_blocks(args: argparse.Namespace) -> int:
-    """A decode leg loads pulled blocks through staging slots and computes whatever does not fit
-    (engine.scheduler): 64 slots held 1,024 tokens, so a decode engine re-prefilled most of every
-    longer prompt, and those prefills slowed each decoding sequence's steps (issue 35: live PD
-    TPOT twice the sim model's, which has no such cap)."""
+    """A decode leg loads pulled blocks through staging slots, chunk by chunk as loads give
+    them back (engine.scheduler). Each chunk waits for the one before, so a decode engine
+    stages more than 64: with the sim runner as many as the GPU holds (a slot is a few bytes:
+    a pulled prompt loads in one go, as in session 22's live figures), with the torch runner at
+    most :data:`TORCH_DECODE_STAGING` (a slot is one KV block of pinned host memory: as many as
+    the GPU holds would pin the GPU's KV size again in RAM)."""
     if args.staging_blocks is not None:
         return int(args.staging_blocks)
-    return max(64, args.gpu_blocks) if args.role == "decode" else 64
+    if args.role != "decode":
+        return 64
+    if args.runner == "torch":
+        return max(64, min(args.gpu_blocks, TORCH_DECODE_STAGING))
+    return max(64, args.gpu_blocks)
 
 
 def parse_args(argv: Sequence[str]) -> tuple[ServerSettings, argparse.Namespace]:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from engine.block_manager import BlockManager
 from engine.offload import LoadJob, TierManager
 from engine.pd.kv_io import stage_blocks
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import RemoteKV, Sequence, SequenceStatus
 from engine.tiers import BlockMeta
 
 __all__ = ["Scheduler", "SchedulerOutput"]
@@ -152,7 +152,9 @@ class Scheduler:
         staging slots, like a load-back; 0 (LOADING), -1 (not yet: too few free blocks, or too
         few staging slots while loads in flight will give theirs back), or None to go on as a
         local prefill (it holds them all already). More blocks than the engine has staging
-        slots: as many as there are, the rest computed here."""
+        slots: as many as there are now, the rest chunk by chunk as each load ends and gives
+        its slots back (:meth:`on_loaded`), so the pinned host memory of staging stays bounded
+        whatever the prompt (``--staging-blocks``) and nothing pulled is computed again."""
         bm, remote = self.bm, seq.remote_kv
         assert remote is not None
         start, end = len(hit), remote.first + len(remote.blocks)
@@ -164,26 +166,48 @@ class Scheduler:
         if end - start + hit_free > bm.num_free_blocks:
             return -1
         host = self.tiers.host
-        if host is not None and host.num_free_staging < end - start and self.loading:
+        want = min(end - start, host.staging) if host is not None else 0
+        if host is not None and host.num_free_staging < want and self.loading:
             return -1
-        metas = [self._meta(seq, i) for i in range(start, end)]
-        items = stage_blocks(self.tiers, metas, remote.blocks[start - remote.first :])
-        if not items:
+        if host is None or not host.num_free_staging:
+            seq.remote_kv = None  # (no slot to load through: it is computed here)
             return None
-        seq.remote_kv = None  # the bytes are in staging now
-        bm.touch(hit)
-        for it, bid in zip(items, bm.allocate(len(items))):
-            it.gpu_block = bid
+        seq.remote_kv = RemoteKV(remote.blocks[start - remote.first :], start)
         self._count_hit(seq, len(hit))  # the pulled blocks are no prefix-cache hit of this engine
         # usage.cached_tokens: the prefill engine's own hit, as vLLM >= 0.32 reports it
         seq.num_cached_tokens = max(seq.num_cached_tokens, remote.cached_tokens)
-        seq.block_table = hit + [it.gpu_block for it in items]
         seq.num_computed_tokens = len(hit) * self.block_size
         seq.num_registered_blocks = len(hit)
+        bm.touch(hit)
+        seq.block_table = hit
+        loading = self._load_pulled(seq)
+        assert loading  # (a free slot, and the free GPU blocks checked above)
+        return 0
+
+    def _load_pulled(self, seq: Sequence) -> bool:
+        """Stage the next chunk of a decode leg's pulled blocks (``seq.remote_kv``, starting at
+        the end of its block table) into the free staging slots and start loading it; False
+        when no slot or GPU block is free for even one (its prefix so far stays, the rest is
+        computed here)."""
+        remote = seq.remote_kv
+        assert remote is not None and remote.first == len(seq.block_table)
+        n = min(len(remote.blocks), self.bm.num_free_blocks)
+        metas = [self._meta(seq, i) for i in range(remote.first, remote.first + n)]
+        items = stage_blocks(self.tiers, metas, remote.blocks[:n])
+        if not items:
+            seq.remote_kv = None
+            return False
+        k = len(items)
+        seq.remote_kv = (
+            RemoteKV(remote.blocks[k:], remote.first + k) if k < len(remote.blocks) else None
+        )
+        for it, bid in zip(items, self.bm.allocate(k)):
+            it.gpu_block = bid
+        seq.block_table = seq.block_table + [it.gpu_block for it in items]
         seq.status = SequenceStatus.LOADING
         self.loading[seq.seq_id] = seq
         self.tiers.start_load(seq.seq_id, items)
-        return 0
+        return True
 
     def _meta(self, seq: Sequence, i: int) -> BlockMeta:
         h = seq.block_hashes[i]
@@ -213,8 +237,10 @@ class Scheduler:
         seq.add_engine_time(job.elapsed_s)
         if seq.status is SequenceStatus.FINISHED:  # aborted while loading
             self.bm.free_blocks(seq.block_table)
-            seq.block_table = []
+            seq.block_table, seq.remote_kv = [], None
             return None
+        if seq.remote_kv is not None and self._load_pulled(seq):
+            return None  # the next chunk of its pulled blocks is loading now
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
         seq.num_registered_blocks = len(seq.block_table)
         seq.status = SequenceStatus.RUNNING

@@ -17,8 +17,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from engine.cli import TORCH_DECODE_STAGING, parse_args
 from engine.cli import main as engine_main
-from engine.cli import parse_args
 from kvrouter.cli import main as kvrouter_main
 from kvrouter.up import ENGINE_READY
 
@@ -48,12 +48,16 @@ def test_flags_and_runner_options() -> None:
 
 def test_decode_engine_stages_a_whole_pulled_prompt() -> None:
     """Issue 35: 64 staging slots cut a decode leg's pulled KV at 1,024 tokens and the decode
-    engine re-prefilled the rest, doubling live PD TPOT; a decode engine's default fits the GPU."""
+    engine re-prefilled the rest, doubling live PD TPOT; a sim decode engine's default fits the
+    GPU, a torch one's is bounded (pinned KV blocks; a pull loads through them chunk by chunk)."""
     slots = {
         role: parse_args(["--role", role, "--gpu-blocks", "4096"])[0].engine.num_staging_slots
         for role in ("decode", "prefill", "both")
     }
     assert slots == {"decode": 4096, "prefill": 64, "both": 64}
+    torch = ["--runner", "torch", "--role", "decode", "--gpu-blocks"]
+    assert parse_args([*torch, "4096"])[0].engine.num_staging_slots == TORCH_DECODE_STAGING
+    assert parse_args([*torch, "512"])[0].engine.num_staging_slots == 512
     explicit = parse_args(["--role", "decode", "--staging-blocks", "8"])[0].engine
     assert explicit.num_staging_slots == 8
 

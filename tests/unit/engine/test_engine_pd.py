@@ -351,7 +351,10 @@ def _pulled(p: LLMEngine, rid: str, ids: list[int]) -> RemoteKV:
     return RemoteKV(blobs)
 
 
-def test_pulled_blocks_wait_for_staging_slots_or_load_as_many_as_there_are() -> None:
+def test_pulled_blocks_wait_for_staging_slots_and_load_chunk_by_chunk() -> None:
+    """More pulled blocks than staging slots load in chunks of the slots as each load gives
+    them back: the decode engine computes only the prompt's partial block (pinned host memory
+    stays bounded, and nothing pulled is computed again)."""
     p = make_engine(block_size=BS, num_gpu_blocks=64)
     d = make_engine(block_size=BS, num_gpu_blocks=64, num_staging_slots=4)
     whole = make_engine(block_size=BS, num_gpu_blocks=64)
@@ -363,10 +366,13 @@ def test_pulled_blocks_wait_for_staging_slots_or_load_as_many_as_there_are() -> 
         for out in d.run_until_idle():
             got[out.request_id] += out.new_token_ids
         assert d.tiers.loaded_blocks["REMOTE"] == 6
+        computed = d.runner.prefill_tokens
         d.add_request(Request("c", c, 4, remote_kv=_pulled(p, "c", c)))
         for out in d.run_until_idle():
             got[out.request_id] += out.new_token_ids
-        assert d.tiers.loaded_blocks["REMOTE"] == 6 + 4  # 4 slots: the other 2 computed here
+        assert d.tiers.loaded_blocks["REMOTE"] == 6 + 6  # 4 slots: a chunk of 4, then of 2
+        assert d.runner.prefill_tokens - computed == 100 - 6 * BS  # only the partial block
+        assert d.tiers.host is not None and d.tiers.host.num_free_staging == 4
         for rid, ids in (("a", a), ("b", b), ("c", c)):
             whole.add_request(Request(rid, ids, 4))
         want: dict[str, list[int]] = {"a": [], "b": [], "c": []}
@@ -376,4 +382,22 @@ def test_pulled_blocks_wait_for_staging_slots_or_load_as_many_as_there_are() -> 
         assert len(p.leases) == 0 and p.bm.num_free_blocks == 64  # every lease released
     finally:
         for e in (p, d, whole):
+            e.close()
+
+
+def test_a_decode_leg_aborted_between_chunks_gives_every_block_back() -> None:
+    p = make_engine(block_size=BS, num_gpu_blocks=64)
+    d = make_engine(block_size=BS, num_gpu_blocks=64, num_staging_slots=2)
+    try:
+        ids = _ids(23, 120)  # 7 blocks to pull through 2 slots: 4 chunks
+        d.add_request(Request("x", ids, 4, remote_kv=_pulled(p, "x", ids)))
+        d.step()  # admitted: its first chunk is loading
+        assert [s.request_id for s in d.scheduler.loading.values()] == ["x"]
+        assert d.abort("x")
+        d.run_until_idle()
+        assert not d.scheduler.loading and d.tiers.loaded_blocks["REMOTE"] <= 4
+        assert d.bm.num_free_blocks == 64 and d.tiers.host is not None
+        assert d.tiers.host.num_free_staging == 2
+    finally:
+        for e in (p, d):
             e.close()

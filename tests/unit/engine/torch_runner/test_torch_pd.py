@@ -1,6 +1,7 @@
 """The torch runner as a prefill/decode pair of real processes: the decode engine pulls real KV
 tensors from the prefill engine's block endpoint, and its greedy output is token for token that
-of one aggregated engine (float32: exact equality)."""
+of one aggregated engine (float32: exact equality). The decode engine stages through 4 slots, so
+every prompt of more than 4 full blocks loads chunk by chunk, and none is computed again there."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ def _body(ids: list[int], **kw: Any) -> dict[str, Any]:
 def test_a_torch_pd_pair_generates_what_one_aggregated_engine_does() -> None:
     # lengths around the block size: nothing to pull (3, 4), one block, several, a longer one
     prompts = [prompt(n, seed=40 + n) for n in (3, 4, 5, 9, 17, 33, 61)]
-    with engines(["--role", "prefill", *TORCH], ["--role", "decode", *TORCH], TORCH) as (p, d, a):
+    decode = ["--role", "decode", "--staging-blocks", "4", *TORCH]
+    with engines(["--role", "prefill", *TORCH], decode, TORCH) as (p, d, a):
         for ids in prompts:
             whole = a.post(_body(ids))
             leg = p.post(_body(ids, max_tokens=1, kv_transfer_params=PREFILL_LEG))
