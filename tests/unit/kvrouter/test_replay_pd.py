@@ -104,15 +104,21 @@ def test_a_prefill_stretches_decode_steps_on_its_own_engine_only() -> None:
     assert agg_tpot > pd_tpot  # the prefill's step held every one of its decoding tokens
 
 
-def test_the_cli_sweeps_ratios_beside_aggregated_and_names_a_row(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def _trace_file(tmp_path: Path) -> Path:
+    """The workload as a Mooncake trace file, for the CLI."""
     trace = tmp_path / "t.jsonl"
     with open(trace, "w") as f:
         for r in _workload():
             row = {"timestamp": int(r.arrival_s * 1000), "input_length": r.input_length,
                    "output_length": r.output_length, "hash_ids": list(r.hash_ids)}  # fmt: skip
             f.write(json.dumps(row) + "\n")
+    return trace
+
+
+def test_the_cli_sweeps_ratios_beside_aggregated_and_names_a_row(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = _trace_file(tmp_path)
     out = tmp_path / "pd.json"
     base = ["--trace", str(trace), "--trace-block", str(TB), "--workers", "3", "--gpu-blocks",
             "2048", "--pd-sweep", "--no-progress"]  # fmt: skip
@@ -205,12 +211,7 @@ def test_a_burst_placed_while_prompts_prefill_spreads_over_the_decode_engines() 
 def test_the_request_dump_says_where_each_request_went_and_how_it_fared(tmp_path: Path) -> None:
     """``--dump-requests``: one line per request of the run, its decision (a remote one names its
     prefill engine, never the decode engine), and the times the table's columns are made of."""
-    trace = tmp_path / "t.jsonl"
-    with open(trace, "w") as f:
-        for r in _workload():
-            row = {"timestamp": int(r.arrival_s * 1000), "input_length": r.input_length,
-                   "output_length": r.output_length, "hash_ids": list(r.hash_ids)}  # fmt: skip
-            f.write(json.dumps(row) + "\n")
+    trace = _trace_file(tmp_path)
     dump, out = tmp_path / "d" / "requests.jsonl", tmp_path / "pd.json"
     argv = ["--trace", str(trace), "--trace-block", str(TB), "--gpu-blocks", "2048", "--pd",
             "1:2", "--pd-mode", "threshold", "--start", "2", "--no-progress", "--json", str(out), "--dump-requests",
