@@ -173,15 +173,17 @@ class Scheduler:
             seq.remote_kv = None  # (no slot to load through: it is computed here)
             return None
         seq.remote_kv = RemoteKV(remote.blocks[start - remote.first :], start)
+        bm.touch(hit)
+        seq.block_table = hit
+        if not self._load_pulled(seq):  # (not reached: a free slot and the blocks were checked)
+            bm.free_blocks(hit)
+            seq.block_table = []
+            return None
         self._count_hit(seq, len(hit))  # the pulled blocks are no prefix-cache hit of this engine
         # usage.cached_tokens: the prefill engine's own hit, as vLLM >= 0.32 reports it
         seq.num_cached_tokens = max(seq.num_cached_tokens, remote.cached_tokens)
         seq.num_computed_tokens = len(hit) * self.block_size
         seq.num_registered_blocks = len(hit)
-        bm.touch(hit)
-        seq.block_table = hit
-        loading = self._load_pulled(seq)
-        assert loading  # (a free slot, and the free GPU blocks checked above)
         return 0
 
     def _load_pulled(self, seq: Sequence) -> bool:
