@@ -42,5 +42,9 @@ def test_live_replay_table(tmp_path: Path, capsys) -> None:
     assert table["round_robin"]["hit_%"] == 0.0
     # kvrouter sends both back where their prefix is: 256 + 256 of 1,152 prompt tokens
     assert table["kvrouter"]["hit_%"] == pytest.approx(100 * 512 / 1152, abs=0.1)
-    assert table["kvrouter"]["cpu_s/1k"] > 0
+    # measured (not None); 4 requests can take less than one clock tick (10 ms) of the router's
+    # CPU, so 0.0 is a reading too (CI flaked on "> 0" once); test_cpu_seconds_reads_proc checks
+    # the reading itself
+    cpu = table["kvrouter"]["cpu_s/1k"]
+    assert cpu is not None and cpu >= 0
     assert "live: t.jsonl [0,4)" in capsys.readouterr().out
