@@ -169,13 +169,10 @@ class Scheduler:
         want = min(end - start, host.staging) if host is not None else 0
         if host is not None and host.num_free_staging < want and self.loading:
             return -1
-        if host is None or not host.num_free_staging:
-            seq.remote_kv = None  # (no slot to load through: it is computed here)
-            return None
         seq.remote_kv = RemoteKV(remote.blocks[start - remote.first :], start)
         bm.touch(hit)
         seq.block_table = hit
-        if not self._load_pulled(seq):  # (not reached: a free slot and the blocks were checked)
+        if not self._load_pulled(seq):  # no staging slot free: it is computed here, from its hit
             bm.free_blocks(hit)
             seq.block_table = []
             return None

@@ -139,14 +139,13 @@ def write_json(path: str | Path, meta: dict[str, Any], table: Sequence[dict[str,
     p.write_text(json.dumps({**meta, "table": list(table)}, indent=1))
 
 
-def write_requests(path: str | Path, runs: Sequence[Run], first: int = 0) -> int:
+def write_requests(path: str | Path, runs: Sequence[Run], first: int = 0) -> None:
     """One JSON line per request of every run (``--dump-requests``): where it went and how it
     fared, so a table's tail can be read request by request (which answers a TPOT p99 is made
     of, and beside what). ``first``: the trace record of a run's first request. Times in ms;
-    ``tpot_ms`` is null for an answer of one token. Returns the lines written."""
+    ``tpot_ms`` is null for an answer of one token."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    n = 0
     with p.open("w") as f:
         for run in runs:
             for o in run.outcomes:
@@ -168,8 +167,6 @@ def write_requests(path: str | Path, runs: Sequence[Run], first: int = 0) -> int
                     "error": o.error,
                 }
                 f.write(json.dumps(line) + "\n")
-                n += 1
-    return n
 
 
 class Progress:

@@ -289,16 +289,16 @@ class _Sim:
             self.blocks.clear()
         tokens = prompt_tokens(r, self.trace_block, self.blocks)
         req = Request(str(i), tokens, r.output_length, ignore_eos=True)
+        out = self.outcomes[i]
         if self.pd is not None:
             w, pw, handle = self.pd.place_pd(tokens, now, r.output_length)
-            self.outcomes[i].pd = handle.pick.mode
+            out.pd = handle.pick.mode
             if pw is not None:  # the prefill leg first, one token, its blocks leased at the end
                 self.legs[i] = (w, tokens)
                 req = Request(f"{_PREFILL}{i}", tokens, 1, ignore_eos=True, kv_hold=True)
-                self.outcomes[i].prefill_worker, w = f"w{pw}", pw
+                out.prefill_worker, w = f"w{pw}", pw
         else:
             w, handle = self.policy.place(tokens, now)
-        out = self.outcomes[i]
         out.worker, out.prompt_tokens = f"w{w}", len(tokens)
         self.handles[i] = handle
         self.submit(i, w, req, now)
