@@ -256,10 +256,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         for message, n in kinds.items():
             print(f"  {policy}: {n} x {message}")
     by_objective: dict[str, Any] = {}
+    advice: dict[str, str] = {}  # what to run and why, for the JSON too
     if pd:
-        from kvrouter.replay.pd_sweep import other_objectives, recommend
+        from kvrouter.replay.pd_sweep import explain, other_objectives, recommend
 
-        print(recommend(table))
+        advice = {"run": recommend(table), "why": explain(table, runs, slo)}
+        print("\n".join(filter(None, advice.values())))
         lines, by_objective = other_objectives(
             args, lambda s: [row(r, ideal, pooled, s) for r in runs]
         )
@@ -273,6 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "requests": len(reqs),
             "errors": errors,
             **({"goodput_by_objective": by_objective} if by_objective else {}),
+            **({"recommendation": advice} if advice else {}),
         }
         if args.mode == "virtual":
             meta["wall_s"] = {r.policy: round(r.wall_s, 1) for r in runs}

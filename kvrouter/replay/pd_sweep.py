@@ -10,7 +10,8 @@
 Each mode is the router's ``pd.mode`` (:mod:`router.settings.pd`) over the ``--config`` settings;
 the decision itself is the placement core's (:mod:`kvrouter.replay.pd_policy`).
 :func:`recommend` names the row to run for the trace (:func:`best_row`: the most goodput, then
-the lower TTFT p99), a P:D ratio and mode or aggregated, beside the rows it had to beat.
+the lower TTFT p99), a P:D ratio and mode or aggregated, beside the rows it had to beat;
+:func:`explain` says why, request by request, against the one it had to beat most.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from typing import Any
 
 import msgspec
 
-from kvrouter.replay.report import Progress
-from kvrouter.replay.slo import Slo
+from kvrouter.replay.live_client import LiveOutcome
+from kvrouter.replay.report import Progress, Run
+from kvrouter.replay.slo import Slo, missed, tpot_s
 from kvrouter.replay.trace import TraceRequest
 from kvrouter.replay.virtual import VirtualFleet, VirtualRun, run_virtual
 from router.settings import PD_MODES, PdSettings, Settings
@@ -32,6 +34,7 @@ from router.settings import PD_MODES, PdSettings, Settings
 __all__ = [
     "add_pd_arguments",
     "best_row",
+    "explain",
     "other_objectives",
     "parse_ratio",
     "pd_modes",
@@ -168,6 +171,65 @@ def recommend(table: Sequence[dict[str, Any]]) -> str:
     if always is not None and always is not best:
         vs.append(f"{ours[0]} always: {always['goodput_rps']}")
     return line + (f" vs {', '.join(vs)}" if vs else "")
+
+
+def explain(table: Sequence[dict[str, Any]], runs: Sequence[Run], slo: Slo) -> str:
+    """Why :func:`recommend`'s row beat its rival (aggregated for a PD row, the best PD row for
+    aggregated), request by request: how many requests met both objectives under one and not
+    the other, what the other missed on them and by how much. A goodput margin of a few requests
+    reads differently when those requests missed by 1 % (prompts at the TTFT objective's edge,
+    which a KV pull pushes over) than by 80 % (streams stalled by prefills). ``table`` and
+    ``runs`` pair by position, as :func:`kvrouter.replay.report.row` made the one from the
+    other; "" when there is no rival to explain against."""
+    pairs = [(r, run) for r, run in zip(table, runs, strict=True)
+             if str(r["policy"]).startswith("kvrouter ")]  # fmt: skip
+    best = best_row([r for r, _ in pairs])
+    if best is None:
+        return ""
+    if ratio_mode_of(str(best["policy"])) is None:
+        rival = best_row([r for r, _ in pairs if ratio_mode_of(str(r["policy"])) is not None])
+    else:
+        rival = next((r for r, _ in pairs if ratio_mode_of(str(r["policy"])) is None), None)
+    if rival is None:
+        return ""
+    run_of = {id(r): run for r, run in pairs}
+    # outcomes[i] is request i in every run (the client and the virtual replay both allot them)
+    both = list(zip(run_of[id(best)].outcomes, run_of[id(rival)].outcomes, strict=True))
+    lost_b = [p for o, p in both if missed(o, slo) is None and missed(p, slo)]  # the rival's
+    lost_a = [o for o, p in both if missed(p, slo) is None and missed(o, slo)]
+    name_a, name_b = _name(best), _name(rival)
+    head = f"why {name_a} over {name_b}, request by request:"
+    if not lost_a and not lost_b:
+        return f"{head} the same requests met both objectives under each"
+    return (
+        f"{head} {len(lost_b)} met both only under {name_a}{_misses(name_b, lost_b, slo)}, "
+        f"{len(lost_a)} only under {name_b}{_misses(name_a, lost_a, slo)}"
+    )
+
+
+def _misses(who: str, outcomes: Sequence[LiveOutcome], slo: Slo) -> str:
+    """ " (WHO: missed TTFT on 3, by 0.8-10.4 %; no answer on 1)": per objective, how many and how
+    far over it."""
+    over: dict[str, list[float]] = {"ttft": [], "tpot": [], "error": []}
+    for o in outcomes:
+        kind = missed(o, slo)
+        if kind == "ttft":
+            over[kind].append((o.ttft_s or 0.0) / slo.ttft_s - 1)
+        elif kind == "tpot":
+            over[kind].append((tpot_s(o) or 0.0) / slo.tpot_s - 1)
+        elif kind == "error":
+            over[kind].append(0.0)
+    parts = []
+    for kind, xs in over.items():
+        if not xs:
+            continue
+        if kind == "error":
+            parts.append(f"no answer on {len(xs)}")
+            continue
+        lo, hi = min(xs) * 100, max(xs) * 100
+        by = f"{lo:.1f} %" if len(xs) == 1 else f"{lo:.1f}-{hi:.1f} %"
+        parts.append(f"missed {kind.upper()} on {len(xs)}, by {by}")
+    return f" ({who}: {'; '.join(parts)})" if parts else ""
 
 
 def other_objectives(

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from kvrouter.replay.live_client import LiveOutcome
 
-__all__ = ["DEFAULT_SLO", "Slo", "good", "goodput", "tpot_s"]
+__all__ = ["DEFAULT_SLO", "Slo", "good", "goodput", "missed", "tpot_s"]
 
 
 @dataclass(frozen=True)
@@ -49,12 +49,20 @@ def tpot_s(o: LiveOutcome) -> float | None:
     return max(0.0, o.e2e_s - o.ttft_s) / (o.output_tokens - 1)
 
 
+def missed(o: LiveOutcome, slo: Slo) -> str | None:
+    """What a request missed: ``"error"`` (no answer), ``"ttft"``, ``"tpot"``; None when it met
+    both objectives."""
+    if o.error is not None or o.ttft_s is None or o.e2e_s is None:
+        return "error"
+    if o.ttft_s > slo.ttft_s:
+        return "ttft"
+    t = tpot_s(o)
+    return None if t is None or t <= slo.tpot_s else "tpot"
+
+
 def good(o: LiveOutcome, slo: Slo) -> bool:
     """Whether a request was answered and met both objectives."""
-    if o.error is not None or o.ttft_s is None or o.e2e_s is None or o.ttft_s > slo.ttft_s:
-        return False
-    t = tpot_s(o)
-    return t is None or t <= slo.tpot_s
+    return missed(o, slo) is None
 
 
 def goodput(outcomes: Sequence[LiveOutcome], span_s: float, slo: Slo) -> float:

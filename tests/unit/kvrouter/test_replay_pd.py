@@ -14,8 +14,9 @@ import pytest
 
 from engine.runner.sim import SIM_DEFAULTS
 from kvrouter.replay.cli import main
-from kvrouter.replay.pd_sweep import best_row, ratio_mode_of, recommend
-from kvrouter.replay.slo import tpot_s
+from kvrouter.replay.live_client import LiveOutcome
+from kvrouter.replay.pd_sweep import best_row, explain, ratio_mode_of, recommend
+from kvrouter.replay.slo import DEFAULT_SLO, missed, tpot_s
 from kvrouter.replay.trace import TraceRequest
 from kvrouter.replay.virtual import VirtualFleet, VirtualRun, run_virtual
 from router.settings import Settings
@@ -142,6 +143,12 @@ def test_the_cli_sweeps_ratios_beside_aggregated_and_names_a_row(
     else:
         ratio, mode = best["policy"].split()[1:]
         assert f"run {ratio} {mode} for this trace: goodput {best['goodput_rps']}" in printed
+    # ... and why, against the row it had to beat most, in the output and the JSON
+    advice = written["recommendation"]
+    assert advice["run"] in printed and advice["why"] in printed
+    agg = best["policy"] == "kvrouter 3 aggregated"
+    name = best["policy"] if agg else " ".join(best["policy"].split()[1:])
+    assert advice["why"].startswith(f"why {name} over ")
     # the same runs under two more TPOT objectives: one every answer meets, one none does
     by = written["goodput_by_objective"]
     assert list(by) == ["ttft<=2000ms,tpot<=1e+06ms", "ttft<=2000ms,tpot<=1e-06ms"]
@@ -196,6 +203,41 @@ def test_the_sweep_says_when_to_run_no_pd_at_all() -> None:
     assert recommend([{"policy": "kvrouter 8 aggregated", "goodput_rps": None}]).startswith(
         "no row"
     )
+
+
+def _outcomes(*answers: tuple[float | None, float]) -> list[LiveOutcome]:
+    """(TTFT s, TPOT s) per request, 11 output tokens each; a None TTFT: no answer."""
+    return [LiveOutcome(i, ttft_s=t, e2e_s=None if t is None else t + 10 * tpot, output_tokens=11,
+                        error=None if t is not None else "502")
+            for i, (t, tpot) in enumerate(answers)]  # fmt: skip
+
+
+def test_the_sweep_says_why_request_by_request() -> None:
+    """Against the row it had to beat most: which requests met both objectives under one row
+    only, what the other missed on them, and by how much (objectives: 2 s, 50 ms)."""
+    agg = _outcomes((0.1, 0.01), (1.96, 0.01), (2.2, 0.01), (0.5, 0.1), (None, 0))
+    cost = _outcomes((0.1, 0.01), (2.02, 0.01), (1.9, 0.02), (0.5, 0.04), (None, 0))
+    assert [missed(o, DEFAULT_SLO) for o in agg] == [None, None, "ttft", "tpot", "error"]
+    table = [_row("kvrouter 8 aggregated", 2.0), _row("vllm-router 4:4 kv_aware", 9.0),
+             _row("kvrouter 4:4 cost", 3.0)]  # fmt: skip
+    runs = [VirtualRun(str(r["policy"]), o, 1.0, 0.0, []) for r, o in zip(table, [agg, cost, cost])]
+    assert explain(table, runs, DEFAULT_SLO) == (
+        "why 4:4 cost over kvrouter 8 aggregated, request by request: 2 met both only under "
+        "4:4 cost (kvrouter 8 aggregated: missed TTFT on 1, by 10.0 %; missed TPOT on 1, by "
+        "100.0 %), 1 only under kvrouter 8 aggregated (4:4 cost: missed TTFT on 1, by 1.0 %)"
+    )
+    # aggregated best: its rival is the best PD row; a failed request counts as no answer
+    table[0]["goodput_rps"] = 4.0
+    runs[2].outcomes = _outcomes((0.1, 0.01), (None, 0), (2.2, 0.01), (0.5, 0.1), (None, 0))
+    assert explain(table, runs, DEFAULT_SLO) == (
+        "why kvrouter 8 aggregated over 4:4 cost, request by request: 1 met both only under "
+        "kvrouter 8 aggregated (4:4 cost: no answer on 1), 0 only under 4:4 cost"
+    )
+    runs[2].outcomes = agg
+    assert explain(table, runs, DEFAULT_SLO).endswith(
+        "the same requests met both objectives under each"
+    )
+    assert explain(table[2:], runs[2:], DEFAULT_SLO) == ""  # nothing to explain against
 
 
 def test_a_burst_placed_while_prompts_prefill_spreads_over_the_decode_engines() -> None:
