@@ -208,8 +208,8 @@ def explain(table: Sequence[dict[str, Any]], runs: Sequence[Run], slo: Slo) -> s
 
 
 def _misses(who: str, outcomes: Sequence[LiveOutcome], slo: Slo) -> str:
-    """ " (WHO: missed TTFT on 3, by 0.8-10.4 %; no answer on 1)": per objective, how many and how
-    far over it."""
+    """What ``who`` made of requests the other row served in time, per objective: how many and
+    how far over it, as " (WHO: missed TTFT on 3, by 0.8-10.4 %; no answer on 1)"."""
     over: dict[str, list[float]] = {"ttft": [], "tpot": [], "error": []}
     for o in outcomes:
         kind = missed(o, slo)
