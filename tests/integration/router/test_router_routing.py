@@ -223,7 +223,12 @@ async def test_an_openai_body_posted_to_route_is_the_proxys_dry_run(workers, rou
     worker the proxy then picks; a route_id comes only with "account": true."""
     a, b = await workers("a"), await workers("b")
     r = await router([a, b])
-    body = {"model": "m", "prompt": "why this worker? " * 16, "max_tokens": 4, "temperature": 0}
+    body = {
+        "model": "fake-model",
+        "prompt": "why this worker? " * 16,
+        "max_tokens": 4,
+        "temperature": 0,
+    }
     first = await http.post(r.url + "/v1/completions", json=body)
     assert first.status_code == 200, first.text
     cached_on = first.headers["x-kvrouter-worker"]
