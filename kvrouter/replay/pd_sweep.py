@@ -20,6 +20,7 @@ import argparse
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from operator import attrgetter
 from typing import Any
 
 import msgspec
@@ -192,9 +193,9 @@ def explain(table: Sequence[dict[str, Any]], runs: Sequence[Run], slo: Slo) -> s
         rival = next((r for r, _ in pairs if ratio_mode_of(str(r["policy"])) is None), None)
     if rival is None:
         return ""
-    run_of = {id(r): run for r, run in pairs}
+    run_a, run_b = (next(run for r, run in pairs if r is row) for row in (best, rival))
     # outcomes[i] is request i in every run (the client and the virtual replay both allot them)
-    both = list(zip(run_of[id(best)].outcomes, run_of[id(rival)].outcomes, strict=True))
+    both = list(zip(run_a.outcomes, run_b.outcomes, strict=True))
     lost_b = [p for o, p in both if missed(o, slo) is None and missed(p, slo)]  # the rival's
     lost_a = [o for o, p in both if missed(p, slo) is None and missed(o, slo)]
     name_a, name_b = _name(best), _name(rival)
@@ -210,25 +211,20 @@ def explain(table: Sequence[dict[str, Any]], runs: Sequence[Run], slo: Slo) -> s
 def _misses(who: str, outcomes: Sequence[LiveOutcome], slo: Slo) -> str:
     """What ``who`` made of requests the other row served in time, per objective: how many and
     how far over it, as " (WHO: missed TTFT on 3, by 0.8-10.4 %; no answer on 1)"."""
-    over: dict[str, list[float]] = {"ttft": [], "tpot": [], "error": []}
-    for o in outcomes:
-        kind = missed(o, slo)
-        if kind == "ttft":
-            over[kind].append((o.ttft_s or 0.0) / slo.ttft_s - 1)
-        elif kind == "tpot":
-            over[kind].append((tpot_s(o) or 0.0) / slo.tpot_s - 1)
-        elif kind == "error":
-            over[kind].append(0.0)
+    kinds = [(missed(o, slo), o) for o in outcomes]
     parts = []
-    for kind, xs in over.items():
-        if not xs:
-            continue
-        if kind == "error":
-            parts.append(f"no answer on {len(xs)}")
-            continue
-        lo, hi = min(xs) * 100, max(xs) * 100
-        by = f"{lo:.1f} %" if len(xs) == 1 else f"{lo:.1f}-{hi:.1f} %"
-        parts.append(f"missed {kind.upper()} on {len(xs)}, by {by}")
+    for kind, value, limit in (
+        ("ttft", attrgetter("ttft_s"), slo.ttft_s),
+        ("tpot", tpot_s, slo.tpot_s),
+    ):
+        over = [(value(o) or 0.0) / limit - 1 for k, o in kinds if k == kind]
+        if over:
+            lo, hi = min(over) * 100, max(over) * 100
+            by = f"{lo:.1f} %" if len(over) == 1 else f"{lo:.1f}-{hi:.1f} %"
+            parts.append(f"missed {kind.upper()} on {len(over)}, by {by}")
+    errors = sum(1 for k, _ in kinds if k == "error")
+    if errors:
+        parts.append(f"no answer on {errors}")
     return f" ({who}: {'; '.join(parts)})" if parts else ""
 
 
