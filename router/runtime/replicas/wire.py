@@ -37,8 +37,9 @@ _decode = msgspec.msgpack.Decoder(SyncMessage).decode
 
 def decode(frame: bytes | memoryview) -> SyncMessage:
     """One frame as a :class:`SyncMessage`; raises :class:`msgspec.DecodeError` and nothing
-    else: msgspec reports a string that is not UTF-8 as ``UnicodeDecodeError``, which no caller
-    would expect (a 4-byte frame of one such string ended the sync task)."""
+    else: msgspec before 0.23 reports a string that is not UTF-8 as ``UnicodeDecodeError``, which
+    no caller would expect (a 4-byte frame of one such string ended the sync task); 0.23 raises
+    ``DecodeError`` itself."""
     try:
         return _decode(frame)
     except UnicodeDecodeError as e:

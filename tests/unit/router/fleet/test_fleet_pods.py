@@ -170,8 +170,9 @@ def test_no_kubernetes_api_access_fails_the_start_by_name(tmp_path, monkeypatch)
 
 
 async def test_kv_event_sources_that_are_not_utf8_make_the_pod_unusable() -> None:
-    """Issue 37, 1 (the same hole as replica sync's): msgspec reports a JSON string that is not
-    UTF-8 as ``UnicodeDecodeError``; a worker answering one is refused, nothing else breaks."""
+    """Issue 37, 1 (the same hole as replica sync's): msgspec before 0.23 reports a JSON string
+    that is not UTF-8 as ``UnicodeDecodeError`` (0.23 as ``DecodeError``); a worker answering one
+    is refused, nothing else breaks."""
 
     async def sources(request: web.Request) -> web.Response:
         return web.Response(body=b'[{"endpoint": "tcp://\xff"}]', content_type="application/json")
