@@ -104,11 +104,11 @@ async def test_load_placed_through_one_replica_steers_the_other(workers, router,
     try:
         await wait_for(lambda: a.running == 3, 20, "three requests running on a")
 
-        def scraped_by_two() -> bool:
-            st = two.state.registry.workers["a"].scraped
+        def scraped_by(r) -> bool:
+            st = r.state.registry.workers["a"].scraped
             return st is not None and st.running == 3
 
-        await wait_for(scraped_by_two, 20, "replica two scraped a's running requests")
+        await wait_for(lambda: scraped_by(two), 20, "replica two scraped a's running requests")
         answer = await route(http, two, tokens)
         assert answer["worker_id"] == "b", answer
         (cand_a,) = [c for c in answer["candidates"] if c["worker_id"] == "a"]
@@ -116,6 +116,9 @@ async def test_load_placed_through_one_replica_steers_the_other(workers, router,
         assert two.state.placer.load.inflight("a") == 0, (
             "two learned the load only from a's metrics"
         )
+        # one's own cost counts its requests' active blocks, and a's running ones only from its
+        # own scrape: on a loaded machine that scrape can still be one from before the third
+        await wait_for(lambda: scraped_by(one), 20, "replica one scraped a's running requests")
         assert (await route(http, one, tokens))["worker_id"] == "b"
     finally:
         for t in held:
