@@ -182,8 +182,13 @@ class HealthChecker:
                         task.add_done_callback(running.discard)
                     await asyncio.sleep(gap)
         finally:
-            for task in running:
+            # wait for the checks to end: the app closes their client next, and a check that
+            # outlived it would open a new session nobody closes (Python 3.11's wait_for, inside
+            # UpstreamPool.get, can drop a cancel that lands as its call completes)
+            checks = list(running)
+            for task in checks:
                 task.cancel()
+            await asyncio.gather(*checks, return_exceptions=True)
 
     async def _check_logged(self, st: WorkerState) -> None:
         try:
