@@ -186,14 +186,11 @@ def decode_loose(payload: bytes, *, seq: int = 0, topic: bytes = b"") -> EventBa
     except RecursionError as exc:
         # Valid msgpack nested deeper than any event is: a shape error, raised cleanly.
         raise SchemaError("payload nests deeper than the decoder's recursion limit") from exc
-    except UnicodeDecodeError as exc:  # msgspec < 0.23 reports bad UTF-8 this way
-        raise PayloadError(f"payload is not valid msgpack: invalid UTF-8 in a str ({exc})") from exc
-    except msgspec.DecodeError as exc:
-        if "UTF-8" in str(exc):  # msgspec >= 0.23: "Invalid UTF-8 encoded string"
-            raise PayloadError(
-                f"payload is not valid msgpack: invalid UTF-8 in a str ({exc})"
-            ) from exc
-        raise PayloadError(f"payload is not valid msgpack: {exc}") from exc
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        # bad UTF-8 is UnicodeDecodeError before msgspec 0.23, "Invalid UTF-8 ..." from 0.23 on
+        utf8 = isinstance(exc, UnicodeDecodeError) or "UTF-8" in str(exc)
+        what = f"invalid UTF-8 in a str ({exc})" if utf8 else str(exc)
+        raise PayloadError(f"payload is not valid msgpack: {what}") from exc
     if not isinstance(obj, list):
         raise SchemaError(f"payload must be an array [ts, events, dp_rank], got {_kind(obj)}")
     if len(obj) < 2:

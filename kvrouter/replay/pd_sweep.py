@@ -195,9 +195,12 @@ def explain(table: Sequence[dict[str, Any]], runs: Sequence[Run], slo: Slo) -> s
         return ""
     run_a, run_b = (next(run for r, run in pairs if r is row) for row in (best, rival))
     # outcomes[i] is request i in every run (the client and the virtual replay both allot them)
-    both = list(zip(run_a.outcomes, run_b.outcomes, strict=True))
-    lost_b = [p for o, p in both if missed(o, slo) is None and missed(p, slo)]  # the rival's
-    lost_a = [o for o, p in both if missed(p, slo) is None and missed(o, slo)]
+    both = [
+        (missed(o, slo), o, missed(p, slo), p)
+        for o, p in zip(run_a.outcomes, run_b.outcomes, strict=True)
+    ]
+    lost_b = [(kp, p) for ko, _, kp, p in both if ko is None and kp]  # the rival's
+    lost_a = [(ko, o) for ko, o, kp, _ in both if kp is None and ko]
     name_a, name_b = _name(best), _name(rival)
     head = f"why {name_a} over {name_b}, request by request:"
     if not lost_a and not lost_b:
@@ -208,10 +211,10 @@ def explain(table: Sequence[dict[str, Any]], runs: Sequence[Run], slo: Slo) -> s
     )
 
 
-def _misses(who: str, outcomes: Sequence[LiveOutcome], slo: Slo) -> str:
-    """What ``who`` made of requests the other row served in time, per objective: how many and
-    how far over it, as " (WHO: missed TTFT on 3, by 0.8-10.4 %; no answer on 1)"."""
-    kinds = [(missed(o, slo), o) for o in outcomes]
+def _misses(who: str, kinds: Sequence[tuple[str, LiveOutcome]], slo: Slo) -> str:
+    """What ``who`` made of requests the other row served in time (each with what it missed,
+    from :func:`missed`), per objective: how many and how far over it, as
+    " (WHO: missed TTFT on 3, by 0.8-10.4 %; no answer on 1)"."""
     parts = []
     for kind, value, limit in (
         ("ttft", attrgetter("ttft_s"), slo.ttft_s),
